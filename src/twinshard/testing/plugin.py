@@ -1,0 +1,1 @@
+"""pytest plugin for twinshard parity tests (filled in by the foundation work)."""
