@@ -1,0 +1,20 @@
+"""Serial reference modules of the pair trunk, written from the published algorithms.
+
+These are the oracles: every CP twin in ``twinshard.pair.layers`` registers the
+same parameters in the same order and must match them to fp64 round-off.
+"""
+
+from twinshard.pair.reference.dropout import Dropout, dropout_mask
+from twinshard.pair.reference.linear import Linear, init_linear
+from twinshard.pair.reference.norm import LayerNorm, compute_dtype
+from twinshard.pair.reference.transition import Transition
+
+__all__ = [
+    "Dropout",
+    "LayerNorm",
+    "Linear",
+    "Transition",
+    "compute_dtype",
+    "dropout_mask",
+    "init_linear",
+]

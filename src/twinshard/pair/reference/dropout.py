@@ -1,0 +1,125 @@
+"""Row-wise and column-wise dropout with counter-based masks (AF2/AF3 convention).
+
+For a tensor ``x[..., R, C, c]`` (pair ``z[B, N, N, c]`` or MSA ``m[B, S, N, c]``):
+
+- row-wise dropout shares one mask across all rows: ``mask[..., 1, C, c]`` keyed
+  by (batch, column j, channel) -- AF3 ``DropoutRowwise`` after triangle
+  multiplication, triangle attention (starting node) and in the MSA module;
+- column-wise dropout shares it across all columns: ``mask[..., R, 1, c]`` keyed
+  by (batch, row i, channel) -- AF3 ``DropoutColumnwise`` after triangle
+  attention (ending node).
+
+Masks vary per channel, as AF2/AF3 and OpenFold (Boltz-2 instead shares the mask
+across channels and draws it from torch's stateful generator). Draws come from
+``twinshard.tensors.rng`` keyed by GLOBAL (batch, position, channel), so a rank
+that holds rows/columns starting at an offset draws exactly the serial mask for
+its block, for any grid. ``seed`` changes per training step and ``stream``
+separates dropout sites; the same (seed, stream) gives the same mask.
+Kept entries are scaled by 1 / (1 - p).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from twinshard.tensors.rng import uniform
+
+__all__ = ["Dropout", "dropout_mask"]
+
+
+def dropout_mask(
+    shape: tuple[int, ...] | torch.Size,
+    p: float,
+    *,
+    seed: int,
+    stream: int = 0,
+    columnwise: bool = False,
+    row_offset: int = 0,
+    col_offset: int = 0,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Scaled keep-mask for ``x`` of ``shape = (..., R, C, c)``.
+
+    Returns ``[..., 1, C, c]`` (row-wise) or ``[..., R, 1, c]`` (column-wise) holding
+    0 or 1 / (1 - p). ``row_offset`` / ``col_offset`` are the global indices of the
+    block's first row / column (0 for a serial tensor). Leading dims are unsharded:
+    their flat index is the batch key.
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 3:
+        raise ValueError(f"dropout needs x[..., R, C, c], got shape {shape}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    lead, (rows, cols, chans) = shape[:-3], shape[-3:]
+    nb = math.prod(lead)
+    b = torch.arange(nb, dtype=torch.int64, device=device).view(nb, 1, 1)
+    ch = torch.arange(chans, dtype=torch.int64, device=device).view(1, 1, chans)
+    if columnwise:
+        pos = torch.arange(row_offset, row_offset + rows, dtype=torch.int64, device=device)
+        out_shape = (*lead, rows, 1, chans)
+    else:
+        pos = torch.arange(col_offset, col_offset + cols, dtype=torch.int64, device=device)
+        out_shape = (*lead, 1, cols, chans)
+    u = uniform(seed, stream, b, pos.view(1, -1, 1), ch, device=device)
+    mask = (u >= p).to(dtype) * (1.0 / (1.0 - p))
+    return mask.reshape(out_shape)
+
+
+class Dropout(nn.Module):
+    """Row-wise (default) or column-wise dropout of ``x[..., R, C, c]``; no parameters.
+
+    ``forward(x, seed=...)``: identity in eval mode or when ``p == 0``; in training
+    mode a ``seed`` (e.g. the step number mixed with a run seed) is required, so
+    every rank and the serial twin draw the same mask.
+    """
+
+    def __init__(self, p: float, columnwise: bool = False, stream: int = 0):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = float(p)
+        self.columnwise = bool(columnwise)
+        self.stream = int(stream)
+
+    def active(self) -> bool:
+        return self.training and self.p > 0.0
+
+    def mask(
+        self,
+        shape: tuple[int, ...] | torch.Size,
+        seed: int,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        row_offset: int = 0,
+        col_offset: int = 0,
+    ) -> torch.Tensor:
+        """This site's mask for a block starting at (row_offset, col_offset)."""
+        return dropout_mask(
+            shape,
+            self.p,
+            seed=seed,
+            stream=self.stream,
+            columnwise=self.columnwise,
+            row_offset=row_offset,
+            col_offset=col_offset,
+            dtype=dtype,
+            device=device,
+        )
+
+    def forward(self, x: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+        if not self.active():
+            return x
+        if seed is None:
+            raise ValueError(
+                "dropout in training mode needs seed=<int> (e.g. derived from the step), "
+                "so that every rank draws the same mask as the serial model"
+            )
+        return x * self.mask(x.shape, seed, x.dtype, x.device)
+
+    def extra_repr(self) -> str:
+        kind = "columnwise" if self.columnwise else "rowwise"
+        return f"p={self.p}, {kind}, stream={self.stream}"
