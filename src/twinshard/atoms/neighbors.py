@@ -1,0 +1,159 @@
+"""Neighbour lists with ``vesin``: directed edges with cartesian periodic shifts.
+
+Convention (the potential contract, see :mod:`twinshard.atoms.potentials.base`):
+edge ``e`` goes from ``senders[e] = j`` to ``receivers[e] = i`` and
+
+    r_ij = positions[j] + shifts[e] - positions[i],     shifts[e] = cell_shifts[e] @ cell
+
+Both directions of every pair are listed (a full list). Periodic axes use the
+cell; non-periodic axes (open boundary, e.g. a halo-padded block) never shift.
+Positions need not be wrapped into the cell: the shifts are computed for the
+positions as given, so unwrapped MD coordinates stay valid.
+
+:class:`VerletList` adds a skin: the list is built with ``cutoff + skin`` and
+reused until some atom moved more than ``skin / 2`` since the build (the pair
+distance then changed by less than ``skin``, so no pair within ``cutoff`` can
+be missing). Potentials must therefore ignore edges longer than their cutoff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["Edges", "neighbor_list", "VerletList"]
+
+
+@dataclass
+class Edges:
+    """A directed edge list: senders ``j`` -> receivers ``i``, with shifts."""
+
+    senders: torch.Tensor  # [E] int64
+    receivers: torch.Tensor  # [E] int64
+    shifts: torch.Tensor  # [E, 3] cartesian, positions' dtype
+    cell_shifts: torch.Tensor  # [E, 3] int64, integer lattice translations
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.senders.shape[0])
+
+    def vectors(self, positions: torch.Tensor) -> torch.Tensor:
+        """r_ij = positions[senders] + shifts - positions[receivers] (differentiable)."""
+        return positions[self.senders] + self.shifts - positions[self.receivers]
+
+
+def neighbor_list(
+    positions: torch.Tensor,
+    cutoff: float,
+    cell: torch.Tensor | None = None,
+    pbc: torch.Tensor | bool = False,
+    sort: bool = True,
+) -> Edges:
+    """All directed pairs closer than ``cutoff`` (vesin, full list).
+
+    Args:
+        positions: ``[n, 3]`` float tensor (detached internally; the list is
+            integer data, gradients flow through :meth:`Edges.vectors`).
+        cutoff: interaction range in Angstrom (> 0).
+        cell: ``[3, 3]`` rows = lattice vectors; may be ``None``/zero when no
+            axis is periodic.
+        pbc: per-axis periodicity (bool or 3 bools).
+        sort: order edges by (receiver, sender, shift) so the list is
+            independent of vesin's internal traversal order.
+    """
+    if not cutoff > 0:
+        raise ValueError(f"cutoff must be positive, got {cutoff}")
+    dtype, device = positions.dtype, positions.device
+    pbc_t = torch.as_tensor(pbc, dtype=torch.bool).flatten()
+    if pbc_t.numel() == 1:
+        pbc_t = pbc_t.expand(3)
+    if cell is None:
+        cell = torch.zeros(3, 3, dtype=dtype, device=device)
+    cell_np = cell.detach().cpu().double().numpy()
+    periodic = [bool(p) for p in pbc_t.tolist()]
+    if any(periodic) and abs(np.linalg.det(cell_np)) < 1e-12:
+        raise ValueError("periodic neighbour list needs a cell of non-zero volume")
+    if not any(periodic):
+        cell_np = np.zeros((3, 3))
+    pos_np = positions.detach().cpu().double().numpy()
+    n = pos_np.shape[0]
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return Edges(
+            empty,
+            empty.clone(),
+            torch.zeros(0, 3, dtype=dtype, device=device),
+            torch.zeros(0, 3, dtype=torch.int64, device=device),
+        )
+    from vesin import NeighborList
+
+    nl = NeighborList(cutoff=float(cutoff), full_list=True)
+    i, j, s = nl.compute(pos_np, cell_np, periodic, "ijS")
+    i = i.astype(np.int64)
+    j = j.astype(np.int64)
+    s = s.astype(np.int64)
+    if sort and len(i):
+        order = np.lexsort((s[:, 2], s[:, 1], s[:, 0], j, i))
+        i, j, s = i[order], j[order], s[order]
+    cell_shifts = torch.as_tensor(s, device=device)
+    shifts = cell_shifts.to(dtype) @ cell.to(dtype=dtype, device=device).detach()
+    if not any(periodic):
+        shifts = torch.zeros_like(shifts)
+    return Edges(
+        senders=torch.as_tensor(j, device=device),
+        receivers=torch.as_tensor(i, device=device),
+        shifts=shifts,
+        cell_shifts=cell_shifts,
+    )
+
+
+class VerletList:
+    """A neighbour list with a skin, rebuilt when any atom moved more than skin/2.
+
+    ``update(positions, cell, pbc)`` returns the current :class:`Edges` and
+    whether it rebuilt. ``n_builds`` counts builds. The cell is assumed fixed
+    between builds (a changed cell forces a rebuild).
+    """
+
+    def __init__(self, cutoff: float, skin: float = 1.0) -> None:
+        if skin < 0:
+            raise ValueError(f"skin must be >= 0, got {skin}")
+        self.cutoff = float(cutoff)
+        self.skin = float(skin)
+        self.edges: Edges | None = None
+        self.n_builds = 0
+        self._ref: torch.Tensor | None = None
+        self._cell: torch.Tensor | None = None
+
+    def needs_rebuild(self, positions: torch.Tensor, cell: torch.Tensor | None = None) -> bool:
+        if self.edges is None or self._ref is None or self._ref.shape != positions.shape:
+            return True
+        if cell is not None and (self._cell is None or not torch.equal(cell, self._cell)):
+            return True
+        disp = (positions.detach() - self._ref).norm(dim=1)
+        return bool(disp.numel()) and float(disp.max()) > 0.5 * self.skin
+
+    def build(
+        self,
+        positions: torch.Tensor,
+        cell: torch.Tensor | None = None,
+        pbc: torch.Tensor | bool = False,
+    ) -> Edges:
+        self.edges = neighbor_list(positions, self.cutoff + self.skin, cell, pbc)
+        self._ref = positions.detach().clone()
+        self._cell = None if cell is None else cell.detach().clone()
+        self.n_builds += 1
+        return self.edges
+
+    def update(
+        self,
+        positions: torch.Tensor,
+        cell: torch.Tensor | None = None,
+        pbc: torch.Tensor | bool = False,
+    ) -> tuple[Edges, bool]:
+        if self.needs_rebuild(positions, cell):
+            return self.build(positions, cell, pbc), True
+        assert self.edges is not None
+        return self.edges, False

@@ -1,0 +1,374 @@
+"""Partitioners: which rank owns which atom.
+
+Two partitioners share one small interface (``owner_of``, ``frame_center``,
+``region``), used by the halo planner (:mod:`twinshard.atoms.halo`) and the
+sharded system (:mod:`twinshard.atoms.sharded`):
+
+- :class:`SpatialPartition` splits the cell into ``g0 x g1 x g2`` slabs of
+  equal *fractional* width, so triclinic cells work unchanged. The rank grid
+  is chosen to minimise the halo-carrying subdomain surface. Periodic axes
+  wrap (the last domain borders the first; with one rank along an axis a rank
+  borders itself); along open axes the outer domains extend to infinity.
+- :class:`BlockPartition` gives each rank a contiguous range of global ids;
+  it needs no geometry, and its halo is whatever lies within the ghost width of
+  the bounding box of the atoms it owns (small only if ids are spatially
+  ordered).
+
+Everything here is pure geometry on replicated inputs: every rank computes the
+same answer, no communication happens.
+
+Positions are kept *unwrapped* (so trajectories compare to serial ones without
+lattice jumps). Each rank evaluates its block in its own *frame*: along a
+periodic axis, fractional coordinates are mapped into
+``[centre - 1/2, centre + 1/2)`` by a whole lattice shift.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PartitionError",
+    "SpatialPartition",
+    "BlockPartition",
+    "cell_heights",
+    "fractional",
+    "rank_grid_shapes",
+]
+
+
+class PartitionError(ValueError):
+    """The system cannot be partitioned as asked (e.g. subdomains thinner than the ghost width)."""
+
+
+def _as_cell(cell: torch.Tensor) -> torch.Tensor:
+    cell = torch.as_tensor(cell, dtype=torch.float64)
+    if cell.shape != (3, 3):
+        raise PartitionError(
+            f"cell must be 3x3 (rows are lattice vectors), got {tuple(cell.shape)}"
+        )
+    return cell
+
+
+def cell_heights(cell: torch.Tensor) -> torch.Tensor:
+    """Perpendicular distance between opposite faces of the cell, per axis.
+
+    ``h_a = V / |b x c|`` = ``1 / |row a of inv(cell).T|``. Slab widths and
+    ghost widths along a triclinic axis are measured in these units.
+    """
+    cell = _as_cell(cell)
+    inv = torch.linalg.inv(cell)
+    return 1.0 / torch.linalg.vector_norm(inv, dim=0)
+
+
+def fractional(
+    positions: torch.Tensor, cell: torch.Tensor, origin: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Fractional coordinates ``(x - origin) @ inv(cell)`` in fp64 (unwrapped)."""
+    cell = _as_cell(cell)
+    x = torch.as_tensor(positions).to(torch.float64)
+    if origin is not None:
+        x = x - origin.to(torch.float64)
+    return x @ torch.linalg.inv(cell)
+
+
+def rank_grid_shapes(nranks: int) -> list[tuple[int, int, int]]:
+    """All ordered factorisations ``(g0, g1, g2)`` with ``g0 * g1 * g2 == nranks``."""
+    if nranks < 1:
+        raise PartitionError(f"need at least one rank, got {nranks}")
+    out = []
+    for g0 in range(1, nranks + 1):
+        if nranks % g0:
+            continue
+        rest = nranks // g0
+        for g1 in range(1, rest + 1):
+            if rest % g1 == 0:
+                out.append((g0, g1, rest // g1))
+    return out
+
+
+def _halo_surface(
+    cell: torch.Tensor, pbc: tuple[bool, bool, bool], grid: tuple[int, int, int]
+) -> float:
+    """Area of the subdomain faces that carry a halo (periodic or cut axes), per subdomain."""
+    edges = [cell[a] / grid[a] for a in range(3)]
+    area = 0.0
+    for a in range(3):
+        if pbc[a] or grid[a] > 1:
+            b, c = (a + 1) % 3, (a + 2) % 3
+            area += 2.0 * float(torch.linalg.vector_norm(torch.linalg.cross(edges[b], edges[c])))
+    return area
+
+
+@dataclass(frozen=True)
+class SpatialPartition:
+    """Equal fractional slabs on a ``grid = (g0, g1, g2)`` of ranks.
+
+    Rank ``r`` has grid coordinates ``(i, j, k)`` with ``r = (i * g1 + j) * g2 + k``
+    and owns the fractional region ``[i/g0, (i+1)/g0) x ...``; along an open axis
+    the first and last slab extend to -inf / +inf.
+
+    Build it with :meth:`build`, which also checks the ghost width.
+    """
+
+    cell: torch.Tensor
+    pbc: tuple[bool, bool, bool]
+    grid: tuple[int, int, int]
+    origin: torch.Tensor
+    ghost_width: float
+
+    @property
+    def nranks(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @staticmethod
+    def build(
+        cell: torch.Tensor,
+        pbc: tuple[bool, bool, bool] | list[bool] | torch.Tensor,
+        nranks: int,
+        ghost_width: float,
+        grid: tuple[int, int, int] | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> SpatialPartition:
+        """Choose (or check) the rank grid for ``cell`` and return the partition.
+
+        Args:
+            cell: 3x3 lattice vectors as rows (triclinic allowed).
+            pbc: periodicity per axis.
+            nranks: number of ranks P.
+            ghost_width: cutoff + skin (+ hysteresis); every cut axis must have
+                subdomains at least this thick, so halos come from adjacent
+                slabs only.
+            grid: force a rank grid; default: the factorisation of P with the
+                smallest halo-carrying surface among those that fit.
+            positions: needed only when the cell is all zeros (a molecule in
+                vacuum): then an orthorhombic box around the atoms is used.
+
+        Raises:
+            PartitionError: names the axis, the slab and ghost widths, and how
+                many ranks would fit along it.
+        """
+        pbc_t = tuple(bool(p) for p in (pbc.tolist() if isinstance(pbc, torch.Tensor) else pbc))
+        if len(pbc_t) != 3:
+            raise PartitionError(f"pbc must have 3 entries, got {pbc_t}")
+        cell = _as_cell(cell).clone()
+        origin = torch.zeros(3, dtype=torch.float64)
+        lengths = torch.linalg.vector_norm(cell, dim=1)
+        if bool((lengths < 1e-12).any()):
+            if any(pbc_t) or positions is None:
+                raise PartitionError(
+                    "the cell has a zero lattice vector; a periodic system needs a full cell, and "
+                    "an open one needs positions to put a box around it"
+                )
+            # Molecule in vacuum: a box around the atoms; every axis is open so
+            # nothing leaves it for good (outer slabs extend to infinity).
+            x = torch.as_tensor(positions).to(torch.float64)
+            lo = x.min(0).values if x.shape[0] else torch.zeros(3, dtype=torch.float64)
+            hi = x.max(0).values if x.shape[0] else torch.ones(3, dtype=torch.float64)
+            cell = torch.diag(torch.clamp(hi - lo, min=1.0))
+            origin = lo
+        if abs(float(torch.linalg.det(cell))) < 1e-12:
+            raise PartitionError("the cell is singular (its lattice vectors are coplanar)")
+        w = float(ghost_width)
+        if not (w > 0 and math.isfinite(w)):
+            raise PartitionError(f"ghost width must be positive and finite, got {ghost_width}")
+        heights = cell_heights(cell)
+
+        def misfit(g: tuple[int, int, int]) -> str | None:
+            for a in range(3):
+                if g[a] > 1 and float(heights[a]) / g[a] < w:
+                    fit = max(1, int(float(heights[a]) // w))
+                    return (
+                        f"rank grid {g[0]}x{g[1]}x{g[2]} cuts axis {a} into slabs "
+                        f"{float(heights[a]) / g[a]:.4g} thick, thinner than the ghost width "
+                        f"{w:.4g} (cutoff + skin); the cell is {float(heights[a]):.4g} thick along "
+                        f"axis {a}, so at most {fit} rank(s) fit along it"
+                    )
+            return None
+
+        if grid is not None:
+            grid = tuple(int(g) for g in grid)
+            if len(grid) != 3 or grid[0] * grid[1] * grid[2] != nranks or min(grid) < 1:
+                raise PartitionError(f"grid {grid} does not multiply to {nranks} ranks")
+            msg = misfit(grid)
+            if msg:
+                raise PartitionError(msg)
+            return SpatialPartition(cell, pbc_t, grid, origin, w)
+        shapes = rank_grid_shapes(nranks)
+        fitting = [g for g in shapes if misfit(g) is None]
+        if not fitting:
+            max_fit = 1
+            for a in range(3):
+                max_fit *= max(1, int(float(heights[a]) // w))
+            best = min(shapes, key=lambda g: _halo_surface(cell, pbc_t, g))
+            raise PartitionError(
+                f"the box is too small for {nranks} ranks: {misfit(best)}; no grid of {nranks} "
+                f"ranks fits, at most {max_fit} ranks fit this cell (use fewer ranks, a smaller "
+                "cutoff or skin, or a bigger box)"
+            )
+        best = min(fitting, key=lambda g: _halo_surface(cell, pbc_t, g))
+        return SpatialPartition(cell, pbc_t, best, origin, w)
+
+    # --- geometry -------------------------------------------------------
+    def heights(self) -> torch.Tensor:
+        """Face-to-face thickness of the (effective) cell per axis."""
+        return cell_heights(self.cell)
+
+    def coords_of(self, rank: int) -> tuple[int, int, int]:
+        g0, g1, g2 = self.grid
+        return (rank // (g1 * g2), (rank // g2) % g1, rank % g2)
+
+    def rank_of(self, coords: tuple[int, int, int]) -> int:
+        return (coords[0] * self.grid[1] + coords[1]) * self.grid[2] + coords[2]
+
+    def fractional(self, positions: torch.Tensor) -> torch.Tensor:
+        return fractional(positions, self.cell, self.origin)
+
+    def region(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fractional ``(lo, hi)`` of rank's slab, in its own frame (open ends are +-inf)."""
+        c = self.coords_of(rank)
+        lo = torch.empty(3, dtype=torch.float64)
+        hi = torch.empty(3, dtype=torch.float64)
+        for a in range(3):
+            lo[a] = c[a] / self.grid[a]
+            hi[a] = (c[a] + 1) / self.grid[a]
+            if not self.pbc[a]:
+                if c[a] == 0:
+                    lo[a] = -math.inf
+                if c[a] == self.grid[a] - 1:
+                    hi[a] = math.inf
+        return lo, hi
+
+    def frame_center(self, rank: int) -> torch.Tensor:
+        """Centre of rank's frame per axis: the slab midpoint (periodic axes only matter)."""
+        c = self.coords_of(rank)
+        return torch.tensor([(c[a] + 0.5) / self.grid[a] for a in range(3)], dtype=torch.float64)
+
+    def slab_index(self, frac: torch.Tensor) -> torch.Tensor:
+        """Grid coordinates ``[n, 3]`` of the slab holding each (unwrapped) fractional point."""
+        f = frac.clone()
+        for a in range(3):
+            if self.pbc[a]:
+                f[:, a] = f[:, a] - torch.floor(f[:, a])
+        g = torch.tensor(self.grid, dtype=torch.int64)
+        idx = torch.floor(f * g.to(torch.float64))
+        # Open axes: outer slabs extend to infinity; periodic: guard f == 1 - ulp rounding.
+        return torch.minimum(torch.clamp(idx, min=0).to(torch.int64), g - 1)
+
+    def owner_of(
+        self,
+        frac: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        current: torch.Tensor | None = None,
+        hysteresis: float = 0.0,
+    ) -> torch.Tensor:
+        """Owning rank of each atom from its fractional coordinates.
+
+        With ``current`` owners and ``hysteresis > 0`` (a distance), an atom
+        stays with its current owner while it lies within ``hysteresis`` of that
+        owner's slab, so atoms on a face do not flip at every rebuild.
+        """
+        del ids  # ownership is geometric
+        s = self.slab_index(frac)
+        g1, g2 = self.grid[1], self.grid[2]
+        new = (s[:, 0] * g1 + s[:, 1]) * g2 + s[:, 2]
+        if current is None or hysteresis <= 0 or frac.shape[0] == 0:
+            return new
+        current = current.to(torch.int64)
+        margin = hysteresis / cell_heights(self.cell)
+        keep = torch.ones(frac.shape[0], dtype=torch.bool)
+        g = torch.tensor(self.grid, dtype=torch.int64)
+        cc = torch.stack([current // (g1 * g2), (current // g2) % g1, current % g2], dim=1)
+        for a in range(3):
+            lo = cc[:, a].to(torch.float64) / self.grid[a]
+            hi = (cc[:, a] + 1).to(torch.float64) / self.grid[a]
+            f = frac[:, a]
+            if self.pbc[a]:
+                centre = (lo + hi) / 2
+                f = f - torch.floor(f - centre + 0.5)
+            else:
+                lo = torch.where(cc[:, a] == 0, torch.full_like(lo, -math.inf), lo)
+                hi = torch.where(cc[:, a] == g[a] - 1, torch.full_like(hi, math.inf), hi)
+            keep &= (f >= lo - margin[a]) & (f < hi + margin[a])
+        return torch.where(keep, current, new)
+
+
+@dataclass(frozen=True)
+class BlockPartition:
+    """Contiguous blocks of global ids: rank r owns ids ``[offsets[r], offsets[r+1])``.
+
+    Geometry-free: atoms never migrate. Each rank's halo region is the
+    bounding box of the atoms it owns (frame ``[0, 1)`` on periodic axes), so
+    the halo is small only when ids are spatially ordered.
+    """
+
+    cell: torch.Tensor
+    pbc: tuple[bool, bool, bool]
+    offsets: tuple[int, ...]
+    origin: torch.Tensor
+    ghost_width: float
+
+    @property
+    def nranks(self) -> int:
+        return len(self.offsets) - 1
+
+    @staticmethod
+    def build(
+        cell: torch.Tensor,
+        pbc: tuple[bool, bool, bool] | list[bool] | torch.Tensor,
+        nranks: int,
+        ghost_width: float,
+        natoms: int,
+    ) -> BlockPartition:
+        """Split ``natoms`` ids into ``nranks`` blocks whose sizes differ by at most one."""
+        pbc_t = tuple(bool(p) for p in (pbc.tolist() if isinstance(pbc, torch.Tensor) else pbc))
+        cell = _as_cell(cell)
+        if any(pbc_t) and abs(float(torch.linalg.det(cell))) < 1e-12:
+            raise PartitionError("a periodic system needs a non-singular cell")
+        if nranks < 1:
+            raise PartitionError(f"need at least one rank, got {nranks}")
+        base, extra = divmod(int(natoms), nranks)
+        offsets = [0]
+        for r in range(nranks):
+            offsets.append(offsets[-1] + base + (1 if r < extra else 0))
+        return BlockPartition(
+            cell, pbc_t, tuple(offsets), torch.zeros(3, dtype=torch.float64), float(ghost_width)
+        )
+
+    def fractional(self, positions: torch.Tensor) -> torch.Tensor:
+        if abs(float(torch.linalg.det(self.cell))) < 1e-12:
+            # Open system with no cell: fractional == cartesian (unit "cell").
+            return torch.as_tensor(positions).to(torch.float64)
+        return fractional(positions, self.cell, self.origin)
+
+    def heights(self) -> torch.Tensor:
+        """Face-to-face thickness per axis (unit lengths when there is no cell)."""
+        if abs(float(torch.linalg.det(self.cell))) < 1e-12:
+            return torch.ones(3, dtype=torch.float64)
+        return cell_heights(self.cell)
+
+    def region(self, rank: int) -> None:
+        """No geometric region: the halo box is the owned atoms' bounding box."""
+        del rank
+        return None
+
+    def frame_center(self, rank: int) -> torch.Tensor:
+        del rank
+        return torch.full((3,), 0.5, dtype=torch.float64)
+
+    def owner_of(
+        self,
+        frac: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        current: torch.Tensor | None = None,
+        hysteresis: float = 0.0,
+    ) -> torch.Tensor:
+        """Owner from the global id alone."""
+        del frac, current, hysteresis
+        if ids is None:
+            raise PartitionError("a block partition needs global ids to assign owners")
+        bounds = torch.tensor(self.offsets[1:], dtype=torch.int64)
+        return torch.searchsorted(bounds, ids.to(torch.int64), right=True)

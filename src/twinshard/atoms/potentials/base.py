@@ -1,0 +1,188 @@
+"""The potential contract, shared by the serial evaluator and the distributed wrapper.
+
+A potential is an ``nn.Module`` with a float attribute ``cutoff`` and
+
+    forward(graph: Graph) -> per-atom energies, shape [n]
+
+where ``graph`` describes a block of ``n`` atoms, owned atoms first then halo
+atoms (serially: all atoms are owned, no halo):
+
+- ``positions [n, 3]``, ``numbers [n]`` (int64 atomic numbers);
+- directed edges ``senders [E]`` (j) -> ``receivers [E]`` (i); an edge j->i
+  contributes to atom i. Both directions of a pair are present (full list);
+- ``shifts [E, 3]`` cartesian, so ``r_ij = positions[senders] + shifts -
+  positions[receivers]`` (:meth:`Graph.edge_vectors`); edges may be longer than
+  ``cutoff`` (neighbour lists carry a skin) and must then contribute nothing;
+- ``n_owned``: the first ``n_owned`` rows are owned;
+- ``refresh(x) -> x``: identity serially. A message-passing model MUST call it
+  on its node features before each interaction layer; distributed, it
+  overwrites the halo rows with the owners' current values (a one-cutoff halo
+  refreshed per layer instead of a layers x cutoff halo).
+
+The energy of a block is ``per_atom[:n_owned].sum()``; summed over ranks it is
+the total energy with every edge and every atom counted exactly once (a pair
+potential gives each directed edge 1/2 of the pair energy). Forces are
+``-dE/dpositions`` by autograd; stress is ``(1/V) dE/d(strain)`` for a
+symmetric strain applied to positions and shifts alike (ASE's sign convention:
+positive = tensile). Energies keep the dtype of the positions (fp64 stays fp64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from twinshard.atoms.neighbors import Edges, VerletList, neighbor_list
+from twinshard.atoms.system import System
+
+__all__ = [
+    "Graph",
+    "Potential",
+    "Results",
+    "identity",
+    "graph_from_system",
+    "strained",
+    "energy_forces_stress",
+    "evaluate",
+]
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    """The serial ``refresh``: every row is owned, nothing to overwrite."""
+    return x
+
+
+@dataclass
+class Graph:
+    """One block of atoms with its directed edges (see the module docstring)."""
+
+    positions: torch.Tensor
+    numbers: torch.Tensor
+    senders: torch.Tensor
+    receivers: torch.Tensor
+    shifts: torch.Tensor
+    n_owned: int | None = None
+    refresh: Callable[[torch.Tensor], torch.Tensor] = field(default=identity)
+
+    def __post_init__(self) -> None:
+        n = self.positions.shape[0]
+        if self.n_owned is None:
+            self.n_owned = n
+        if not 0 <= self.n_owned <= n:
+            raise ValueError(f"n_owned={self.n_owned} must be within [0, {n}]")
+        if self.senders.shape != self.receivers.shape or self.shifts.shape != (
+            self.senders.shape[0],
+            3,
+        ):
+            raise ValueError(
+                f"senders {list(self.senders.shape)}, receivers {list(self.receivers.shape)} and "
+                f"shifts {list(self.shifts.shape)} must be [E], [E], [E, 3]"
+            )
+
+    @property
+    def n_atoms(self) -> int:
+        return int(self.positions.shape[0])
+
+    def edge_vectors(self) -> torch.Tensor:
+        """r_ij = positions[senders] + shifts - positions[receivers], shape [E, 3]."""
+        return self.positions[self.senders] + self.shifts - self.positions[self.receivers]
+
+
+class Potential(nn.Module):
+    """Base class: subclasses set ``cutoff`` and implement ``forward(graph) -> [n]``."""
+
+    cutoff: float
+
+    def forward(self, graph: Graph) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class Results(NamedTuple):
+    """Energy (scalar tensor), per-atom energies [n], forces [n, 3], stress [3, 3] or None."""
+
+    energy: torch.Tensor
+    per_atom: torch.Tensor
+    forces: torch.Tensor
+    stress: torch.Tensor | None
+
+
+def graph_from_system(system: System, cutoff: float, edges: Edges | None = None) -> Graph:
+    """The serial graph of a whole system (all atoms owned, identity refresh)."""
+    if edges is None:
+        edges = neighbor_list(system.positions, cutoff, system.cell, system.pbc)
+    return Graph(
+        positions=system.positions,
+        numbers=system.numbers,
+        senders=edges.senders,
+        receivers=edges.receivers,
+        shifts=edges.shifts.to(system.positions.dtype),
+        n_owned=system.n_atoms,
+    )
+
+
+def strained(graph: Graph, strain: torch.Tensor) -> Graph:
+    """The graph deformed by ``I + sym(strain)`` (positions and shifts alike)."""
+    eps = 0.5 * (strain + strain.transpose(0, 1))
+    return replace(
+        graph,
+        positions=graph.positions + graph.positions @ eps,
+        shifts=graph.shifts + graph.shifts @ eps,
+    )
+
+
+def energy_forces_stress(
+    potential: nn.Module, graph: Graph, volume: float | None, compute_stress: bool = True
+) -> Results:
+    """Energy of the owned atoms, forces on every row, and stress (if ``volume``).
+
+    The positions in ``graph`` are detached and made a leaf here; the forces
+    returned for halo rows (if any) are partial and belong to their owners.
+    """
+    dtype = graph.positions.dtype
+    pos = graph.positions.detach().requires_grad_(True)
+    strain = torch.zeros(3, 3, dtype=dtype, device=pos.device, requires_grad=True)
+    g = replace(graph, positions=pos)
+    want_stress = compute_stress and volume is not None and volume > 0
+    if want_stress:
+        g = strained(g, strain)
+    per_atom = potential(g)
+    if per_atom.shape != (graph.n_atoms,):
+        raise ValueError(
+            f"a potential must return per-atom energies of shape [{graph.n_atoms}], "
+            f"got {list(per_atom.shape)}"
+        )
+    energy = per_atom[: graph.n_owned].sum()
+    inputs = [pos, strain] if want_stress else [pos]
+    grads = torch.autograd.grad(energy, inputs, allow_unused=True)
+    forces = -grads[0] if grads[0] is not None else torch.zeros_like(pos)
+    stress = None
+    if want_stress:
+        dstrain = grads[1] if grads[1] is not None else torch.zeros_like(strain)
+        stress = dstrain.detach() / volume
+    return Results(energy.detach(), per_atom.detach(), forces.detach(), stress)
+
+
+def evaluate(
+    potential: nn.Module,
+    system: System,
+    edges: Edges | VerletList | None = None,
+    compute_stress: bool = True,
+) -> Results:
+    """Serial energy, per-atom energies, forces and stress of a whole system.
+
+    ``edges`` may be a prebuilt list (built with at least the potential's
+    cutoff) or a :class:`VerletList` that is updated here. Stress is ``None``
+    for a cell without volume (an open box given no cell).
+    """
+    cutoff = float(potential.cutoff)
+    if isinstance(edges, VerletList):
+        if edges.cutoff < cutoff:
+            raise ValueError(f"Verlet list cutoff {edges.cutoff} < potential cutoff {cutoff}")
+        edges, _ = edges.update(system.positions, system.cell, system.pbc)
+    graph = graph_from_system(system, cutoff, edges)
+    volume = system.volume if system.volume > 0 else None
+    return energy_forces_stress(potential, graph, volume, compute_stress)
