@@ -1,0 +1,23 @@
+"""Context-parallel (CP) twins of the pair trunk's layers on a rows x cols grid.
+
+Each twin registers the same parameters, in the same order, as its serial module
+in ``twinshard.pair.reference``, so a serial ``state_dict`` loads unchanged.
+Inputs and outputs are DTensors at the placements of ``twinshard.tensors.dtensor``.
+"""
+
+from twinshard.pair.layers.dropout import CPDropout
+from twinshard.pair.layers.linear import CPLinear
+from twinshard.pair.layers.norm import CPLayerNorm
+from twinshard.pair.layers.tokenwise import TokenwiseTwin, grad_group, pointwise, replicated_params
+from twinshard.pair.layers.transition import CPTransition
+
+__all__ = [
+    "CPDropout",
+    "CPLayerNorm",
+    "CPLinear",
+    "CPTransition",
+    "TokenwiseTwin",
+    "grad_group",
+    "pointwise",
+    "replicated_params",
+]
