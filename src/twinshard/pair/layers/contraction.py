@@ -1,0 +1,340 @@
+"""Distributed contraction of two tiled matrices on a rows x cols grid (Cannon / SUMMA).
+
+The triangle multiplications and the outer product mean are all ``Z = op(X) op(Y)``
+contracted over one token (or sequence) index k, per channel, with ``op`` the identity
+or a transpose of the two leading matrix dims. Every operand is stored tiled like a pair
+tensor: ``X[B, rows, cols, *ch]`` with ``rows`` split over the grid rows and ``cols`` over
+the grid columns (equal tiles: sizes are padded, see ``twinshard.tensors.dtensor``).
+The result ``Z[B, M, Nn, *ch]`` comes back in the same tiling.
+
+Schedules (chosen from the grid shape, a replicated value):
+
+- **square q x q: Cannon.** Rank (r, c) multiplies ``X'[r, k] Y'[k, c]`` with
+  ``k = (r + c + t) mod q`` at step t. One point-to-point move delivers the skewed first
+  tiles (for a transposed operand the same move also performs the grid transpose: the
+  tile comes from the mirrored rank and is transposed locally, never gathered). Then
+  q - 1 ring shifts move X' one step left along the grid row and Y' one step up the
+  grid column; each shift is posted before the local product and waited for after it,
+  so sends overlap compute. Per rank, forward: at most ``2 q`` tiles received, i.e.
+  ``~2 N^2 c / sqrt(P)`` elements for an N x N x c operand pair (the 2-D bound).
+- **rectangular R x C: SUMMA over k-segments.** k is cut at every tile edge of either
+  operand (at most R + C - 1 segments); for each segment rank (r, c) fetches
+  ``X'[rows block r, seg]`` and ``Y'[seg, cols block c]`` from their owners with one
+  sparse exchange (prefetching the next segment while multiplying the current one).
+  Per rank: ``M K / R + K Nn / C`` elements received over the whole loop.
+
+Memory per rank: two tiles of each operand (current + in flight) and one output tile;
+nothing of size N^2 (or N^2 / R) is ever held. The backward of ``Z = X' Y'`` is two more
+contractions on the same grid with the same schedules (``dX' = dZ Y'^T``,
+``dY' = X'^T dZ``), each written back in the stored orientation of X and Y.
+
+Test-only switches (module attributes, read at call time; the negative controls plant
+bugs through them): ``_SKEW_OFFSET`` shifts the Cannon skew, ``_TRANSPOSE_TILES=False``
+uses a mirrored tile without transposing it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from twinshard.comm import primitives as P
+from twinshard.runtime.grid import ProcessGrid
+
+__all__ = ["Contraction", "grid_contract", "grid_matmul", "schedule_name"]
+
+_SKEW_OFFSET = 0
+_TRANSPOSE_TILES = True
+
+Range = tuple[int, int]
+
+
+def schedule_name(grid: ProcessGrid) -> str:
+    return "cannon" if grid.rows == grid.cols else "summa"
+
+
+def _blk(n: int, parts: int, i: int) -> Range:
+    b = n // parts
+    return i * b, (i + 1) * b
+
+
+def _inter(a: Range, b: Range) -> Range | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+@dataclass(frozen=True)
+class _Tiled:
+    """A stored matrix operand: its local tile and global (rows, cols) on the grid."""
+
+    tile: torch.Tensor
+    rows: int
+    cols: int
+
+    def owned(self, grid: ProcessGrid, rank: int) -> tuple[Range, Range]:
+        r, c = grid.coords_of(rank)
+        return _blk(self.rows, grid.rows, r), _blk(self.cols, grid.cols, c)
+
+
+def _orient(t: torch.Tensor, trans: bool) -> torch.Tensor:
+    # Matrix dims are 1 and 2; a transpose is a view, the kernel's einsum reads it as is.
+    return t.transpose(1, 2) if trans and _TRANSPOSE_TILES else t
+
+
+class _Fetch:
+    """Pieces of several stored operands moved by one sparse exchange (one message per peer).
+
+    ``wants[i][rank]`` is the (rows, cols) range of operand i, in stored orientation, that
+    ``rank`` needs. Every rank derives every peer's wants from replicated metadata, so all
+    agree on who sends what without a handshake.
+    """
+
+    def __init__(
+        self,
+        grid: ProcessGrid,
+        ops: Sequence[_Tiled],
+        wants: Sequence[Callable[[int], tuple[Range, Range]]],
+        op: str,
+    ):
+        me = grid.rank
+        self.ops, self.mine = ops, [w(me) for w in wants]
+        sends: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.recv_plan: dict[int, list[tuple[int, Range, Range]]] = defaultdict(list)
+        dtype = ops[0].tile.dtype
+        for i, (x, want) in enumerate(zip(ops, wants)):
+            (r0, r1), (c0, c1) = x.owned(grid, me)
+            for peer in range(grid.size):
+                pr, pc = want(peer)
+                ir, ic = _inter((r0, r1), pr), _inter((c0, c1), pc)
+                if ir and ic:
+                    piece = x.tile[:, ir[0] - r0 : ir[1] - r0, ic[0] - c0 : ic[1] - c0]
+                    sends[peer].append(piece.reshape(-1))
+            for peer in range(grid.size):
+                orr, oc = x.owned(grid, peer)
+                ir, ic = _inter(orr, self.mine[i][0]), _inter(oc, self.mine[i][1])
+                if ir and ic:
+                    self.recv_plan[peer].append((i, ir, ic))
+        send_list = [(p, torch.cat(v).to(dtype)) for p, v in sorted(sends.items())]
+        recv_list = [
+            (p, (sum(self._numel(i, ir, ic) for i, ir, ic in plan),))
+            for p, plan in sorted(self.recv_plan.items())
+        ]
+        self._pending = P.exchange(send_list, recv_list, dtype=dtype, op=op, async_op=True)
+        self._peers = [p for p, _ in recv_list]
+
+    def _numel(self, i: int, ir: Range, ic: Range) -> int:
+        t = self.ops[i].tile
+        n = (ir[1] - ir[0]) * (ic[1] - ic[0]) * t.shape[0]
+        for s in t.shape[3:]:
+            n *= s
+        return n
+
+    def wait(self) -> list[torch.Tensor]:
+        bufs = self._pending.wait()
+        outs = []
+        for x, ((r0, r1), (c0, c1)) in zip(self.ops, self.mine):
+            t = x.tile
+            outs.append(t.new_empty((t.shape[0], r1 - r0, c1 - c0) + tuple(t.shape[3:])))
+        for peer, buf in zip(self._peers, bufs):
+            off = 0
+            for i, ir, ic in self.recv_plan[peer]:
+                n = self._numel(i, ir, ic)
+                (r0, _), (c0, _) = self.mine[i]
+                dst = outs[i][:, ir[0] - r0 : ir[1] - r0, ic[0] - c0 : ic[1] - c0]
+                dst.copy_(buf[off : off + n].view(dst.shape))
+                off += n
+        return outs
+
+
+def grid_matmul(
+    grid: ProcessGrid, x: _Tiled, tx: bool, y: _Tiled, ty: bool, equation: str, tag: str
+) -> torch.Tensor:
+    """Local tile of ``Z = op(X) op(Y)`` (see module docstring); ``equation`` is the einsum of
+    one block product on oriented tiles ``X'[b, m, k, ...]`` and ``Y'[b, k, n, ...]``."""
+    m = x.cols if tx else x.rows
+    k = x.rows if tx else x.cols
+    k2 = y.cols if ty else y.rows
+    n = y.rows if ty else y.cols
+    if k != k2:
+        raise ValueError(f"contraction sizes differ: {k} vs {k2}")
+    if grid.size == 1:
+        return torch.einsum(equation, _orient(x.tile, tx), _orient(y.tile, ty))
+    if grid.rows == grid.cols:
+        return _cannon(grid, x, tx, y, ty, equation, tag)
+    return _summa(grid, x, tx, y, ty, equation, tag, m, k, n)
+
+
+def _cannon(
+    grid: ProcessGrid, x: _Tiled, tx: bool, y: _Tiled, ty: bool, equation: str, tag: str
+) -> torch.Tensor:
+    q = grid.rows
+    r, c = grid.coords
+    s = _SKEW_OFFSET
+
+    # Skew: X'[r, k0] and Y'[k0, c] with k0 = r + c; a transposed operand's tile comes from
+    # the mirrored rank (stored block (k0, r) resp. (c, k0)).
+    def want_x(rank: int) -> tuple[Range, Range]:
+        rr, cc = grid.coords_of(rank)
+        k0 = (rr + cc + s) % q
+        br, bc = (k0, rr) if tx else (rr, k0)
+        return _blk(x.rows, q, br), _blk(x.cols, q, bc)
+
+    def want_y(rank: int) -> tuple[Range, Range]:
+        rr, cc = grid.coords_of(rank)
+        k0 = (rr + cc + s) % q
+        br, bc = (cc, k0) if ty else (k0, cc)
+        return _blk(y.rows, q, br), _blk(y.cols, q, bc)
+
+    xt, yt = _Fetch(grid, [x, y], [want_x, want_y], op=f"{tag}:skew").wait()
+    left, right = grid.rank_of((r, c - 1)), grid.rank_of((r, c + 1))
+    up, down = grid.rank_of((r - 1, c)), grid.rank_of((r + 1, c))
+    acc = None
+    for t in range(q):
+        pending = None
+        if t < q - 1:
+            # X' moves one step left along the row, Y' one step up the column; posted before
+            # the local product so the transfer overlaps it.
+            pending = P.exchange(
+                [(left, xt), (up, yt)],
+                [(right, tuple(xt.shape)), (down, tuple(yt.shape))],
+                dtype=xt.dtype,
+                op=f"{tag}:ring_shift",
+                async_op=True,
+            )
+        part = torch.einsum(equation, _orient(xt, tx), _orient(yt, ty))
+        acc = part if acc is None else acc.add_(part)
+        if pending is not None:
+            xt, yt = pending.wait()
+    return acc
+
+
+def _summa(
+    grid: ProcessGrid,
+    x: _Tiled,
+    tx: bool,
+    y: _Tiled,
+    ty: bool,
+    equation: str,
+    tag: str,
+    m: int,
+    k: int,
+    n: int,
+) -> torch.Tensor:
+    R, C = grid.rows, grid.cols
+    # k is tiled by R (stored rows) or C (stored cols) in each operand; cut at every edge.
+    kx = R if tx else C
+    ky = C if ty else R
+    edges = sorted({k * i // kx for i in range(kx + 1)} | {k * i // ky for i in range(ky + 1)})
+    segs = list(zip(edges[:-1], edges[1:]))
+
+    def wants(seg: Range) -> list[Callable[[int], tuple[Range, Range]]]:
+        def want_x(rank: int) -> tuple[Range, Range]:
+            rows = _blk(m, R, grid.coords_of(rank)[0])
+            return (seg, rows) if tx else (rows, seg)
+
+        def want_y(rank: int) -> tuple[Range, Range]:
+            cols = _blk(n, C, grid.coords_of(rank)[1])
+            return (cols, seg) if ty else (seg, cols)
+
+        return [want_x, want_y]
+
+    acc = None
+    fetch = _Fetch(grid, [x, y], wants(segs[0]), op=f"{tag}:summa_fetch")
+    for i in range(len(segs)):
+        xs, ys = fetch.wait()
+        if i + 1 < len(segs):
+            fetch = _Fetch(grid, [x, y], wants(segs[i + 1]), op=f"{tag}:summa_fetch")
+        part = torch.einsum(equation, _orient(xs, tx), _orient(ys, ty))
+        acc = part if acc is None else acc.add_(part)
+    return acc
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """A contraction ``Z = op(X) op(Y)`` and the einsums of its two backward contractions.
+
+    ``forward``: block product on oriented ``X'[b,m,k,..]``, ``Y'[b,k,n,..]``.
+    ``grad_x``: block product giving ``dX`` in X's stored orientation from oriented operands
+    ``(dZ, Y)`` when X is not transposed, ``(Y, dZ^T)`` when it is.
+    ``grad_y``: likewise for ``dY``: ``(X^T, dZ)`` or ``(dZ^T, X)``.
+    """
+
+    tx: bool
+    ty: bool
+    forward: str
+    grad_x: str
+    grad_y: str
+    tag: str
+
+
+class _GridContract(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        grid: ProcessGrid,
+        spec: Contraction,
+        xshape: tuple[int, int],
+        yshape: tuple[int, int],
+    ) -> torch.Tensor:
+        ctx.grid, ctx.spec, ctx.xshape, ctx.yshape = grid, spec, xshape, yshape
+        ctx.save_for_backward(x, y)
+        return grid_matmul(
+            grid, _Tiled(x, *xshape), spec.tx, _Tiled(y, *yshape), spec.ty, spec.forward, spec.tag
+        )
+
+    @staticmethod
+    def backward(ctx: Any, gz: torch.Tensor):
+        x, y = ctx.saved_tensors
+        grid, spec = ctx.grid, ctx.spec
+        tx, ty = spec.tx, spec.ty
+        X, Y = _Tiled(x, *ctx.xshape), _Tiled(y, *ctx.yshape)
+        mz = ctx.xshape[1] if tx else ctx.xshape[0]
+        nz = ctx.yshape[0] if ty else ctx.yshape[1]
+        Z = _Tiled(gz.contiguous(), mz, nz)
+        tag = f"{spec.tag}:backward"
+        gx = gy = None
+        if ctx.needs_input_grad[0]:
+            # dX' = dZ Y'^T; stored X = X' (tx False) or X'^T = Y' dZ^T (tx True).
+            if not tx:
+                gx = grid_matmul(grid, Z, False, Y, not ty, spec.grad_x, tag)
+            else:
+                gx = grid_matmul(grid, Y, ty, Z, True, spec.grad_x, tag)
+        if ctx.needs_input_grad[1]:
+            # dY' = X'^T dZ; stored Y = Y' (ty False) or Y'^T = dZ^T X' (ty True).
+            if not ty:
+                gy = grid_matmul(grid, X, not tx, Z, False, spec.grad_y, tag)
+            else:
+                gy = grid_matmul(grid, Z, True, X, tx, spec.grad_y, tag)
+        return gx, gy, None, None, None, None
+
+
+def grid_contract(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    grid: ProcessGrid,
+    spec: Contraction,
+    xshape: tuple[int, int],
+    yshape: tuple[int, int],
+) -> torch.Tensor:
+    """Differentiable local tile of ``op(X) op(Y)``; ``xshape``/``yshape`` are the global
+    (rows, cols) of the stored operands (padded, divisible by the grid)."""
+    for name, t, (rows, cols) in (("X", x, xshape), ("Y", y, yshape)):
+        if (
+            rows % grid.rows
+            or cols % grid.cols
+            or t.shape[1] * grid.rows != rows
+            or t.shape[2] * grid.cols != cols
+        ):
+            raise ValueError(
+                f"operand {name}: tile {tuple(t.shape)} does not tile a {rows} x "
+                f"{cols} matrix on a {grid.rows}x{grid.cols} grid"
+            )
+    return _GridContract.apply(
+        x.contiguous(), y.contiguous(), grid, spec, tuple(xshape), tuple(yshape)
+    )

@@ -1,0 +1,107 @@
+"""CP twin of the triangle multiplicative update (outgoing and incoming) on a rows x cols grid.
+
+Placements. In: pair ``z[B, Np, Np, dim]`` at ``(Shard(1), Shard(2))`` and its mask
+``[B, Np, Np]`` at the same placements (Np = N padded to a multiple of lcm(rows, cols)
+by ``twinshard.pair.features``; the mask is zero on padding). Out: ``[B, Np, Np, dim]``
+at ``(Shard(1), Shard(2))``. Padded rows/columns carry finite junk that the collector
+drops; they never leak into real entries because ``a`` and ``b`` are masked before the
+contraction.
+
+Computation. ``norm_in``, ``p_in``/``g_in`` gating, masking, ``norm_out``, ``p_out`` and
+``g_out`` are token-local and run unchanged (the serial module's own methods) on the
+local tile. The contraction over k is distributed (``twinshard.pair.layers.contraction``):
+outgoing ``O = A B^T`` (B's tiles arrive grid-transposed), incoming ``O = A^T B`` (A's
+tiles arrive grid-transposed); Cannon on square grids, SUMMA over k-segments on
+rectangular ones.
+
+Collectives. Forward: one skew exchange and q - 1 ring shifts of the ``a`` and ``b``
+tiles (Cannon; ~2 N^2 h / sqrt(P) elements per rank), or R + C - 1 segment exchanges
+(SUMMA; N^2 h (1/R + 1/C) per rank). Backward: two more distributed contractions
+(``dA`` and ``dB``, each the same schedule as the forward, tagged ``:backward`` in
+the ledger) and one all-reduce of the flat parameter gradient over the grid (>= fp32).
+
+Memory saved for backward per rank: what the serial module saves, for one tile
+(serial / P): the token-local activations plus the ``a`` and ``b`` tiles. Transient
+memory: two tiles of ``a`` and ``b`` each (current + in flight) and one output tile.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from twinshard.pair.layers.contraction import Contraction, grid_contract
+from twinshard.pair.layers.tokenwise import TokenwiseTwin
+from twinshard.pair.reference.triangle import TriangleMultiplication
+from twinshard.runtime.grid import ProcessGrid, make_grid
+from twinshard.tensors.dtensor import PAIR, check_placements
+
+__all__ = [
+    "CPTriangleMultiplication",
+    "CPTriangleMultiplicationIncoming",
+    "CPTriangleMultiplicationOutgoing",
+    "TRIMUL_SPECS",
+]
+
+_PER_CHANNEL = "bmkd,bknd->bmnd"  # one block product, channel by channel
+TRIMUL_SPECS = {
+    "outgoing": Contraction(False, True, _PER_CHANNEL, _PER_CHANNEL, _PER_CHANNEL, "trimul_out"),
+    "incoming": Contraction(True, False, _PER_CHANNEL, _PER_CHANNEL, _PER_CHANNEL, "trimul_in"),
+}
+
+
+def pair_grid(x: DTensor) -> ProcessGrid:
+    """The ProcessGrid whose mesh ``x`` lives on (grids are cached per shape)."""
+    grid = make_grid(tuple(x.device_mesh.shape))
+    if grid.mesh != x.device_mesh:
+        raise ValueError("the input lives on a mesh not built by twinshard.runtime.make_grid")
+    return grid
+
+
+class CPTriangleMultiplication(TriangleMultiplication, TokenwiseTwin):
+    """Context-parallel triangle multiplication; parameters as the serial module (see module doc).
+
+    ``forward(z, mask=None)``: with ``mask=None`` every entry counts, so pass the
+    distributor's mask whenever N was padded.
+    """
+
+    def forward(
+        self,
+        z: DTensor | torch.Tensor,
+        mask: DTensor | torch.Tensor | None = None,
+        grid: ProcessGrid | None = None,
+    ) -> DTensor | torch.Tensor:
+        if self._on_tile:
+            return self._tile_forward(z, mask, grid)
+        check_placements(z, PAIR, f"{type(self).__name__} input z", ndim=4)
+        if z.shape[1] != z.shape[2] or z.shape[-1] != self.dim:
+            raise ValueError(f"expected a pair tensor [B, N, N, {self.dim}], got {tuple(z.shape)}")
+        mask_local = None
+        if mask is not None:
+            check_placements(mask, PAIR, f"{type(self).__name__} mask", ndim=3)
+            if tuple(mask.shape) != tuple(z.shape[:3]):
+                raise ValueError(f"mask {tuple(mask.shape)} does not match z {tuple(z.shape)}")
+            mask_local = mask.to_local()
+        return self.tile_forward(z, mask_local, pair_grid(z))
+
+    def _tile_forward(
+        self, z: torch.Tensor, mask: torch.Tensor | None, grid: ProcessGrid
+    ) -> torch.Tensor:
+        a, b, x = self.project_in(z, mask)
+        n = z.shape[1] * grid.rows
+        o = grid_contract(a, b, grid, TRIMUL_SPECS[self.direction], (n, n), (n, n))
+        return self.project_out(o, x)
+
+
+class CPTriangleMultiplicationOutgoing(CPTriangleMultiplication):
+    """CP twin of AF3 Algorithm 12 (``o_ij = sum_k a_ik b_jk``)."""
+
+    def __init__(self, dim: int, hidden: int | None = None):
+        super().__init__(dim, "outgoing", hidden)
+
+
+class CPTriangleMultiplicationIncoming(CPTriangleMultiplication):
+    """CP twin of AF3 Algorithm 13 (``o_ij = sum_k a_ki b_kj``)."""
+
+    def __init__(self, dim: int, hidden: int | None = None):
+        super().__init__(dim, "incoming", hidden)
