@@ -1,0 +1,55 @@
+"""Structure files through ase.io, and clear errors for unreadable files."""
+
+import pytest
+import torch
+
+from twinshard.atoms.io import StructureReadError, read, read_trajectory, write
+from twinshard.atoms.structures import lj_mixture, triclinic_argon
+
+
+@pytest.mark.parametrize(
+    "fmt, name", [("extxyz", "s.extxyz"), ("cif", "s.cif"), ("vasp", "POSCAR"), ("xyz", "s.xyz")]
+)
+def test_round_trip(tmp_path, fmt, name):
+    s = triclinic_argon(2, rattle=0.2) if fmt != "xyz" else lj_mixture(20)
+    path = tmp_path / name
+    write(path, s, format=fmt)
+    back = read(path, format=fmt)
+    assert torch.equal(back.numbers, s.numbers)
+    if fmt == "cif":
+        # CIF stores cell lengths/angles (ASE re-orients the cell) and 4-5 digit fractions.
+        torch.testing.assert_close(back.to_ase().cell.cellpar(), s.to_ase().cell.cellpar())
+        d = back.scaled_positions() - s.scaled_positions()  # CIF also wraps into the cell
+        torch.testing.assert_close(d - torch.round(d), torch.zeros_like(d), atol=1e-4, rtol=0)
+    else:
+        torch.testing.assert_close(back.positions, s.positions)
+        if fmt != "xyz":
+            torch.testing.assert_close(back.cell, s.cell)
+
+
+def test_extxyz_keeps_ids_velocities_and_properties(tmp_path):
+    s = lj_mixture(30, seed=1)
+    s.ids = torch.arange(30) + 100
+    s.velocities = torch.randn(30, 3, dtype=torch.float64)
+    path = tmp_path / "t.extxyz"
+    write(path, s, energy=-1.5, forces=torch.ones(30, 3))
+    write(path, s, append=True)
+    frames = read_trajectory(path)
+    assert len(frames) == 2
+    assert torch.equal(frames[0].ids, s.ids)
+    torch.testing.assert_close(frames[0].velocities, s.velocities)
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(StructureReadError, match="does not exist"):
+        read(tmp_path / "missing.xyz")
+    bad = tmp_path / "broken.extxyz"
+    bad.write_text('3\nLattice="1 0 0 0 1 0 0 0 1"\nAr 0 0\n')
+    with pytest.raises(StructureReadError, match="cannot read structure file"):
+        read(bad)
+    weird = tmp_path / "thing.unknownext"
+    weird.write_text("hello\n")
+    with pytest.raises(StructureReadError, match="format"):
+        read(weird)
+    with pytest.raises(StructureReadError, match="directory"):
+        read(tmp_path)
