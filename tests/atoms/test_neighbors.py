@@ -12,7 +12,6 @@ from twinshard.atoms.structures import triclinic_argon
 def _brute(pos, cell, pbc, cutoff):
     reach = [4 if p else 0 for p in pbc]
     out = set()
-    n = pos.shape[0]
     for s in itertools.product(*[range(-r, r + 1) for r in reach]):
         shift = torch.tensor(s, dtype=pos.dtype) @ cell
         d = (pos[None, :, :] + shift - pos[:, None, :]).norm(dim=-1)  # [i, j]
