@@ -1,0 +1,39 @@
+"""Process worlds, grids and fail-together agreement."""
+
+from twinshard.runtime.agree import agree_step, check_all, raise_together
+from twinshard.runtime.errors import RankFailure, WorldError
+from twinshard.runtime.grid import ProcessGrid, make_grid
+from twinshard.runtime.pool import WorkerPool, launch, shared_pool
+from twinshard.runtime.world import (
+    DEFAULT_TIMEOUT,
+    World,
+    attach_world,
+    choose_backend,
+    get_world,
+    in_torchrun,
+    init_world,
+    require_world,
+    shutdown_world,
+)
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "ProcessGrid",
+    "RankFailure",
+    "World",
+    "WorldError",
+    "agree_step",
+    "attach_world",
+    "check_all",
+    "choose_backend",
+    "get_world",
+    "in_torchrun",
+    "init_world",
+    "launch",
+    "make_grid",
+    "raise_together",
+    "require_world",
+    "shared_pool",
+    "shutdown_world",
+    "WorkerPool",
+]

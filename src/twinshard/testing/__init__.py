@@ -1,0 +1,40 @@
+"""The parity harness: run on every rank, compare with the serial twin, prove it is not vacuous.
+
+Use from tests (the pytest plugin adds the ``grids`` marker and the evidence summary) or from
+any script. See README's "Porting your own module" for a walk-through.
+"""
+
+from twinshard.testing.checks import (
+    TwinResult,
+    assert_grads_finite_nonzero,
+    assert_nonzero_parameters,
+    assert_parity,
+    assert_random_grad_output,
+    assert_replicated,
+    assert_same_parameters,
+    assert_sharded,
+    check_twin,
+    parameter_signature,
+)
+from twinshard.testing.inputs import perturb_zero_parameters, random_grad_output, random_mask, synthetic
+from twinshard.testing.run import grid_id, run_on_grid, run_on_world
+
+__all__ = [
+    "TwinResult",
+    "assert_grads_finite_nonzero",
+    "assert_nonzero_parameters",
+    "assert_parity",
+    "assert_random_grad_output",
+    "assert_replicated",
+    "assert_same_parameters",
+    "assert_sharded",
+    "check_twin",
+    "grid_id",
+    "parameter_signature",
+    "perturb_zero_parameters",
+    "random_grad_output",
+    "random_mask",
+    "run_on_grid",
+    "run_on_world",
+    "synthetic",
+]

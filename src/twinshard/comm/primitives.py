@@ -1,0 +1,269 @@
+"""Raw collectives and point-to-point moves on plain tensors (no autograd).
+
+These are the building blocks of the autograd ops in ``twinshard.comm.ops``
+and of hand-written ``autograd.Function``s (Cannon/SUMMA schedules, halos),
+which call them on local tensors in forward and backward. Every function:
+- makes its send buffers contiguous and gives them one dtype (``wire``),
+- accumulates sums in ``reduce_dtype(x.dtype)`` (>= fp32; fp64 stays fp64)
+  and casts the result back,
+- records calls and bytes in the active CommLedger,
+- is a no-op (a copy at most) on a group of one rank.
+Group arguments are process groups (None = the world); ``src``/indices are
+positions within the group, ``peer`` ranks in point-to-point calls are global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from twinshard.comm.ledger import record
+
+Group = dist.ProcessGroup | None
+
+
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums are carried in: at least fp32, fp64 kept."""
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    return dist.get_rank(group)
+
+
+def global_rank(group: Group, index: int) -> int:
+    return index if group is None else dist.get_global_rank(group, index)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    n = 1
+    for s in x.shape[1:]:
+        n *= s
+    return n * x.element_size()
+
+
+def _pad0(x: torch.Tensor, m: int) -> torch.Tensor:
+    """Pad dim 0 to m rows with zeros (uneven blocks travel in equal buffers)."""
+    if x.shape[0] == m:
+        return x
+    return torch.cat([x, x.new_zeros((m - x.shape[0],) + tuple(x.shape[1:]))])
+
+
+def all_reduce(x: torch.Tensor, group: Group = None, op: str = "all_reduce") -> torch.Tensor:
+    """Sum of ``x`` over the group (a new tensor, x's dtype, summed in reduce_dtype)."""
+    n = group_size(group)
+    if n == 1:
+        return x.clone()
+    buf = x.to(reduce_dtype(x.dtype)).contiguous().clone()
+    dist.all_reduce(buf, group=group)
+    b = 2 * (n - 1) * nbytes(buf) // n
+    record(op, b, b)
+    return buf.to(x.dtype)
+
+
+def all_gather(
+    x: torch.Tensor, dim: int, group: Group = None, sizes: Sequence[int] | None = None, op: str = "all_gather"
+) -> torch.Tensor:
+    """Concatenate every rank's block along ``dim``; ``sizes`` gives uneven block sizes."""
+    n = group_size(group)
+    if n == 1:
+        return x.clone()
+    dim = dim % x.dim()
+    sizes = [x.shape[dim]] * n if sizes is None else list(sizes)
+    if len(sizes) != n or sizes[group_rank(group)] != x.shape[dim]:
+        raise ValueError(
+            f"all_gather: sizes {sizes} do not match a group of {n} with local block "
+            f"{x.shape[dim]} along dim {dim}"
+        )
+    m = max(sizes)
+    xt = _pad0(x.movedim(dim, 0), m).contiguous()
+    out = xt.new_empty((n * m,) + tuple(xt.shape[1:]))
+    dist.all_gather_into_tensor(out, xt, group=group)
+    record(op, nbytes(xt) * (n - 1), nbytes(xt) * (n - 1))
+    blocks = [out[i * m : i * m + s] for i, s in enumerate(sizes)]
+    return torch.cat(blocks).movedim(0, dim)
+
+
+def reduce_scatter(
+    x: torch.Tensor,
+    dim: int,
+    group: Group = None,
+    sizes: Sequence[int] | None = None,
+    op: str = "reduce_scatter",
+) -> torch.Tensor:
+    """Sum over the group, then keep this rank's block along ``dim`` (``sizes``: uneven blocks)."""
+    n = group_size(group)
+    if n == 1:
+        return x.clone()
+    dim = dim % x.dim()
+    if sizes is None:
+        if x.shape[dim] % n:
+            raise ValueError(
+                f"reduce_scatter: dim {dim} of size {x.shape[dim]} does not split evenly "
+                f"over {n} ranks; pass sizes="
+            )
+        sizes = [x.shape[dim] // n] * n
+    sizes = list(sizes)
+    if len(sizes) != n or sum(sizes) != x.shape[dim]:
+        raise ValueError(
+            f"reduce_scatter: sizes {sizes} do not split dim {dim} of size {x.shape[dim]} over {n} ranks"
+        )
+    m = max(sizes)
+    xt = x.movedim(dim, 0).to(reduce_dtype(x.dtype))
+    buf = torch.cat([_pad0(b, m) for b in torch.split(xt, sizes)]).contiguous()
+    out = buf.new_empty((m,) + tuple(buf.shape[1:]))
+    dist.reduce_scatter_tensor(out, buf, group=group)
+    record(op, nbytes(out) * (n - 1), nbytes(out) * (n - 1))
+    return out[: sizes[group_rank(group)]].movedim(0, dim).to(x.dtype)
+
+
+def all_to_all(
+    x: torch.Tensor,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    group: Group = None,
+    op: str = "all_to_all",
+) -> torch.Tensor:
+    """Rows ``x[sum(send_splits[:j]) : ...]`` go to group rank j; blocks come back in rank order."""
+    n = group_size(group)
+    send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+    if len(send_splits) != n or len(recv_splits) != n or sum(send_splits) != x.shape[0]:
+        raise ValueError(
+            f"all_to_all: send_splits {send_splits} / recv_splits {recv_splits} do not fit "
+            f"a group of {n} and {x.shape[0]} rows"
+        )
+    if n == 1:
+        return x.clone()
+    xc = x.contiguous()
+    out = xc.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(
+        out, xc, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
+    )
+    me, row = group_rank(group), _row_bytes(xc)
+    record(op, row * (sum(send_splits) - send_splits[me]), row * (sum(recv_splits) - recv_splits[me]))
+    return out
+
+
+def broadcast(x: torch.Tensor, src: int = 0, group: Group = None, op: str = "broadcast") -> torch.Tensor:
+    """``x`` of group rank ``src`` on every rank (others pass a tensor of the same shape and dtype)."""
+    n = group_size(group)
+    if n == 1:
+        return x.clone()
+    buf = x.contiguous().clone()
+    dist.broadcast(buf, src=global_rank(group, src), group=group)
+    me = group_rank(group)
+    record(op, nbytes(buf) * (n - 1) if me == src else 0, 0 if me == src else nbytes(buf))
+    return buf
+
+
+def reduce(x: torch.Tensor, dst: int = 0, group: Group = None, op: str = "reduce") -> torch.Tensor:
+    """Sum over the group on group rank ``dst`` (zeros elsewhere), summed in reduce_dtype."""
+    n = group_size(group)
+    if n == 1:
+        return x.clone()
+    buf = x.to(reduce_dtype(x.dtype)).contiguous().clone()
+    dist.reduce(buf, dst=global_rank(group, dst), group=group)
+    me = group_rank(group)
+    record(op, 0 if me == dst else nbytes(buf), nbytes(buf) * (n - 1) if me == dst else 0)
+    return buf.to(x.dtype) if me == dst else torch.zeros_like(x)
+
+
+class Pending:
+    """Handle of point-to-point moves in flight; ``wait()`` returns the received tensors."""
+
+    def __init__(self, works: list, received: list[torch.Tensor]):
+        self._works, self.received = works, received
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        return self.received
+
+
+def exchange(
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, tuple[int, ...]]],
+    dtype: torch.dtype | None = None,
+    op: str = "exchange",
+    async_op: bool = False,
+) -> list[torch.Tensor] | Pending:
+    """Sparse point-to-point: send each (peer, tensor), receive each (peer, shape) in ``dtype``.
+
+    Peers are global ranks; at most one message per peer and direction. A message to oneself is a
+    local copy. Sends to a lower rank are posted before receives from it and vice versa (by rank
+    order, as every rank sees the same pairs), all non-blocking, so paired ranks never both block.
+    Returns the received tensors in ``recvs`` order (or a Pending handle with ``async_op``).
+    """
+    me = dist.get_rank()
+    if dtype is None:
+        dtype = sends[0][1].dtype if sends else torch.float64
+    send_peers = [p for p, _ in sends]
+    recv_peers = [p for p, _ in recvs]
+    if len(set(send_peers)) != len(send_peers) or len(set(recv_peers)) != len(recv_peers):
+        raise ValueError("exchange: at most one message per peer and direction; concatenate first")
+    self_send = {p: t for p, t in sends if p == me}
+    received: list[torch.Tensor | None] = [None] * len(recvs)
+    bufs = {p: t.to(dtype).contiguous() for p, t in sends if p != me}
+    ops = []
+    peers = sorted(set(bufs) | {p for p in recv_peers if p != me})
+    sent = got = 0
+    for peer in peers:
+        pair = []
+        if peer in bufs:
+            pair.append(dist.P2POp(dist.isend, bufs[peer], peer))
+            sent += nbytes(bufs[peer])
+        for i, (p, shape) in enumerate(recvs):
+            if p == peer:
+                received[i] = torch.empty(
+                    shape,
+                    dtype=dtype,
+                    device=bufs[peer].device if peer in bufs else (sends[0][1].device if sends else None),
+                )
+                pair.append(dist.P2POp(dist.irecv, received[i], peer))
+                got += nbytes(received[i])
+        ops.extend(pair if me < peer else pair[::-1])
+    for i, (p, shape) in enumerate(recvs):
+        if p == me:
+            if me not in self_send:
+                raise ValueError(f"exchange: rank {me} expects a message from itself but sends none")
+            t = self_send[me].to(dtype)
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"exchange: self message of shape {tuple(t.shape)}, expected {tuple(shape)}")
+            received[i] = t.clone()
+    works = dist.batch_isend_irecv(ops) if ops else []
+    if peers:
+        record(op, sent, got)
+    pending = Pending(works, received)  # type: ignore[arg-type]
+    return pending if async_op else pending.wait()
+
+
+def shift(
+    x: torch.Tensor,
+    ranks: Sequence[int],
+    k: int,
+    recv_shape: tuple[int, ...] | None = None,
+    op: str = "ring_shift",
+    async_op: bool = False,
+) -> torch.Tensor | Pending:
+    """Ring shift along the ring ``ranks`` (global ranks in ring order, this rank among them):
+    the block at ring position i moves to position i + k. Returns the block from i - k."""
+    n = len(ranks)
+    i = list(ranks).index(dist.get_rank())
+    dst, src = ranks[(i + k) % n], ranks[(i - k) % n]
+    shape = tuple(x.shape) if recv_shape is None else tuple(recv_shape)
+    if dst == src == dist.get_rank() and shape == tuple(x.shape):
+        out = x.clone()
+        return Pending([], [out]) if async_op else out
+    res = exchange([(dst, x)], [(src, shape)], dtype=x.dtype, op=op, async_op=async_op)
+    return res if async_op else res[0]  # type: ignore[index]

@@ -1,0 +1,39 @@
+"""Errors shared by every rank-aware part of twinshard."""
+
+from __future__ import annotations
+
+
+class WorldError(RuntimeError):
+    """A distributed entry point was used without (or with the wrong) process world."""
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks failed; raised on every rank (or in the launching process).
+
+    ``failures`` maps each failing rank to the formatted traceback it reported,
+    the originating failure first (its rank is ``rank``); ``stuck`` lists ranks
+    that were still blocked (and were stopped) when the failure was detected.
+    """
+
+    def __init__(self, failures: dict[int, str], stuck: tuple[int, ...] = (), step: str | None = None):
+        self.failures = dict(failures)
+        self.stuck = tuple(sorted(stuck))
+        self.step = step
+        first = self.rank = next(iter(self.failures))
+        where = f" in step {step!r}" if step else ""
+        lines = [
+            f"rank {first} failed{where}"
+            + (
+                f" (then also ranks {[r for r in self.failures if r != first]})"
+                if len(self.failures) > 1
+                else ""
+            )
+        ]
+        if self.stuck:
+            lines.append(f"ranks {list(self.stuck)} were stuck (in a collective or busy) and were stopped")
+        lines.append(f"--- traceback of rank {first} ---")
+        lines.append(self.failures[first].rstrip())
+        super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # picklable across processes
+        return (RankFailure, (self.failures, self.stuck, self.step))

@@ -1,0 +1,236 @@
+"""Local rank processes: a reusable worker pool, and ``launch`` built on it.
+
+Spawning a rank costs seconds (Python + torch import), so a ``WorkerPool``
+keeps its processes and reuses them: a job on n ranks runs on workers 0..n-1,
+which (re)build their world only when n, the backend or the timeout changed.
+Jobs and results travel pickled by value over pipes; functions must be
+importable (module level) and the parent's ``sys.path`` is replayed in the
+worker first, so test modules import there as they do in the parent.
+
+Failure handling: when a rank raises, the other ranks get ``FAILURE_GRACE``
+seconds to report (fail-together steps make them raise promptly), then any
+still running are stopped and one RankFailure names the failing rank, carries
+its traceback and lists the stuck ranks. A job with no result after its
+timeout stops the ranks that have not answered and names them. Stopped
+workers are replaced on the next job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from twinshard.runtime.errors import RankFailure
+from twinshard.runtime.world import (
+    DEFAULT_TIMEOUT,
+    attach_world,
+    failure_payload,
+    free_port,
+    get_world,
+    raise_failures,
+    set_threads,
+    shutdown_world,
+)
+
+FAILURE_GRACE = 3.0
+SPAWN_TIMEOUT = 300.0
+
+
+def _worker(index: int, conn: Connection, port: int, threads: int | None) -> None:
+    set_threads(threads)
+    os.environ.setdefault("TWINSHARD_WORKER", str(index))
+    store = None
+    key = None
+    conn.send_bytes(b"ready")  # torch is imported: the parent may start the job clock
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except EOFError:
+            return
+        path, job = pickle.loads(msg)
+        for p in reversed(path):
+            if p not in sys.path:
+                sys.path.insert(0, p)
+        try:
+            jid, world_key, fn, args, kwargs = pickle.loads(job)
+            gen, size, backend, timeout = world_key
+            if key != world_key:
+                if get_world() is not None:
+                    shutdown_world()
+                if store is None:
+                    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+                attach_world(
+                    index,
+                    size,
+                    store=dist.PrefixStore(f"world{gen}", store),
+                    backend=backend,
+                    timeout=timeout,
+                )
+                key = world_key
+            out = (jid, True, fn(*args, **kwargs))
+        except BaseException as exc:  # every failure goes back to the parent, never swallowed
+            key = None  # a failed rank may have left its world broken: rebuild it next time
+            out = (jid if "jid" in locals() else -1, False, failure_payload(exc))
+        try:
+            data = pickle.dumps(out)
+        except Exception as exc:
+            data = pickle.dumps((out[0], False, f"result of rank {index} is not picklable: {exc!r}"))
+        conn.send_bytes(data)
+
+
+class WorkerPool:
+    """Reusable local rank processes (spawned lazily, replaced when stopped)."""
+
+    def __init__(self, threads: int | None = 1):
+        self.threads = threads
+        self._ctx = mp.get_context("spawn")
+        self._port = free_port()
+        self._store = dist.TCPStore(
+            "127.0.0.1", self._port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        self._gen = 0
+        self._world: tuple | None = None
+        self._jid = 0
+
+    def _ensure(self, n: int) -> None:
+        started = []
+        for i in range(n):
+            if i < len(self._procs) and self._procs[i].is_alive():
+                continue
+            parent, child = self._ctx.Pipe()
+            p = self._ctx.Process(target=_worker, args=(i, child, self._port, self.threads), daemon=True)
+            p.start()
+            child.close()
+            started.append((i, parent))
+            if i < len(self._procs):
+                self._procs[i], self._conns[i] = p, parent
+                self._world = None  # a replaced worker joins no old world
+            else:
+                self._procs.append(p)
+                self._conns.append(parent)
+        for i, conn in started:  # spawning is slow on a loaded machine: not part of a job's timeout
+            if not conn.poll(SPAWN_TIMEOUT) or conn.recv_bytes() != b"ready":
+                raise RuntimeError(f"worker {i} did not start within {SPAWN_TIMEOUT:.0f} s")
+
+    def _stop(self, i: int) -> None:
+        self._procs[i].kill()
+        self._procs[i].join()
+        self._world = None
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        nprocs: int,
+        *args: Any,
+        backend: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on ranks 0..nprocs-1 of one world; return per-rank results."""
+        if nprocs < 1:
+            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        self._ensure(nprocs)
+        if self._world is None or self._world[1:] != (nprocs, backend, timeout):
+            self._gen += 1
+            self._world = (self._gen, nprocs, backend, timeout)
+        self._jid += 1
+        job = pickle.dumps((self._jid, self._world, fn, args, kwargs))
+        msg = pickle.dumps((list(sys.path), job))
+        for i in range(nprocs):
+            self._conns[i].send_bytes(msg)
+        outs, failures = self._collect(nprocs, timeout)
+        stuck = tuple(r for r in range(nprocs) if r not in outs and r not in failures)
+        for r in stuck:
+            self._stop(r)
+        if failures:
+            self._world = None
+            raise_failures(failures, stuck)
+        return [outs[r] for r in range(nprocs)]
+
+    def _collect(self, n: int, timeout: float) -> tuple[dict[int, Any], dict[int, Any]]:
+        outs: dict[int, Any] = {}
+        failures: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout + FAILURE_GRACE
+        pending = {self._conns[i]: i for i in range(n)}
+        while pending:
+            now = time.monotonic()
+            if now >= deadline:
+                if not failures:
+                    ranks = sorted(pending.values())
+                    failures[ranks[0]] = (
+                        f"no result from ranks {ranks} after {timeout:g} s: a deadlock, or a rank that "
+                        "never reached a collective its peers entered"
+                    )
+                    failures = {ranks[0]: failures[ranks[0]]}
+                break
+            for conn in wait(list(pending), timeout=min(0.5, deadline - now)):
+                i = pending.pop(conn)
+                try:
+                    jid, ok, payload = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    ok, payload = False, f"rank {i} process died (exit code {self._procs[i].exitcode})"
+                    self._world = None
+                if ok:
+                    outs[i] = payload
+                else:
+                    failures[i] = payload
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+        return outs, failures
+
+    def close(self) -> None:
+        for c in self._conns:
+            c.close()
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+        self._procs, self._conns, self._world = [], [], None
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    threads: int | None = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh local ranks inside one world.
+
+    Returns the per-rank results (index = rank). ``fn`` must be importable and its results
+    picklable. A failing rank makes this raise RankFailure naming it, with its traceback; a
+    deadlock raises after ``timeout`` seconds naming the ranks that never finished.
+    """
+    pool = WorkerPool(threads=threads)
+    try:
+        return pool.run(fn, nprocs, *args, backend=backend, timeout=timeout, **kwargs)
+    finally:
+        pool.close()
+
+
+_SHARED: WorkerPool | None = None
+
+
+def shared_pool() -> WorkerPool:
+    """The process-wide pool that tests and benchmarks reuse (closed at exit)."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = WorkerPool()
+        atexit.register(_SHARED.close)
+    return _SHARED
+
+
+__all__ = ["FAILURE_GRACE", "RankFailure", "WorkerPool", "launch", "shared_pool"]

@@ -1,0 +1,164 @@
+"""The process world: join torchrun's, or attach one built by a local launcher.
+
+One world per process. ``init_world()`` joins a world that ``torchrun`` set up
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); ``twinshard.runtime.pool``
+spawns local ranks and attaches them with ``attach_world``. Backend: NCCL when
+CUDA is available, gloo otherwise. Every collective times out after
+``timeout`` seconds (default 60).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from twinshard.runtime.errors import RankFailure, WorldError
+
+DEFAULT_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's view of the world: rank, size, backend, device, timeout."""
+
+    rank: int
+    size: int
+    backend: str
+    device: torch.device
+    timeout: float
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
+
+_WORLD: World | None = None
+
+
+def choose_backend() -> str:
+    """NCCL when CUDA is usable, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def set_threads(threads: int | None) -> None:
+    """Intra-op threads of this rank process (one by default: ranks share cores)."""
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+def attach_world(
+    rank: int,
+    size: int,
+    *,
+    store: dist.Store | None = None,
+    backend: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    local_rank: int | None = None,
+) -> World:
+    """Initialise the default process group for this rank and record the world."""
+    global _WORLD
+    if _WORLD is not None or dist.is_initialized():
+        raise WorldError("a world is already initialised in this process; call shutdown_world() first")
+    backend = backend or choose_backend()
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device(
+            "cuda", local_rank if local_rank is not None else rank % torch.cuda.device_count()
+        )
+        torch.cuda.set_device(device)
+    kwargs: dict[str, Any] = dict(
+        backend=backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout)
+    )
+    if store is not None:
+        kwargs["store"] = store
+    dist.init_process_group(**kwargs)
+    _WORLD = World(rank=rank, size=size, backend=backend, device=device, timeout=timeout)
+    return _WORLD
+
+
+def init_world(
+    backend: str | None = None, timeout: float = DEFAULT_TIMEOUT, threads: int | None = None
+) -> World:
+    """Join the world that torchrun (or any env:// launcher) set up, or return the current one."""
+    if _WORLD is not None:
+        return _WORLD
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise WorldError(
+            f"init_world() needs the torchrun environment, but {', '.join(missing)} is not set: "
+            "start the program with `torchrun --nproc-per-node=P ...`, or spawn local ranks with "
+            "twinshard.runtime.launch(fn, nprocs)"
+        )
+    set_threads(threads)
+    return attach_world(
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        backend=backend,
+        timeout=timeout,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def in_torchrun() -> bool:
+    """True when this process was started by torchrun (the env:// variables are set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def get_world() -> World | None:
+    """The current world, or None."""
+    return _WORLD
+
+
+def require_world(what: str) -> World:
+    """The current world; a clear WorldError when there is none."""
+    if _WORLD is None:
+        raise WorldError(
+            f"{what} is a distributed entry point and no world is initialised in this process: run it "
+            "inside twinshard.runtime.launch(fn, nprocs), under torchrun after "
+            "twinshard.runtime.init_world(), or in a twinshard.testing run_on_world/run_on_grid call"
+        )
+    return _WORLD
+
+
+def shutdown_world() -> None:
+    """Destroy the default process group (and the grids cached on it)."""
+    global _WORLD
+    from twinshard.runtime.grid import clear_grid_cache
+
+    clear_grid_cache()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _WORLD = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def format_exception(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def failure_payload(exc: BaseException) -> str | RankFailure:
+    """What a rank reports: the agreed RankFailure itself (it names the origin), else its traceback."""
+    return exc if isinstance(exc, RankFailure) else format_exception(exc)
+
+
+def raise_failures(failures: dict[int, str | RankFailure], stuck: tuple[int, ...]) -> None:
+    """Raise one RankFailure for a failed run: an agreed failure if any rank reported one, else the
+    failures in arrival order (the first to arrive is the origin; the others are usually broken
+    collectives caused by it)."""
+    for payload in failures.values():
+        if isinstance(payload, RankFailure):
+            raise RankFailure(payload.failures, stuck=stuck, step=payload.step)
+    raise RankFailure({r: str(tb) for r, tb in failures.items()}, stuck=stuck)

@@ -1,0 +1,43 @@
+"""Seeded inputs for parity tests: random grad_output, synthetic tensors, perturbed parameters."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def synthetic(
+    *shape: int, seed: int = 0, dtype: torch.dtype = torch.float64, scale: float = 1.0
+) -> torch.Tensor:
+    """A seeded standard-normal tensor (the same on every rank and in the test process)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype) * scale
+
+
+def random_grad_output(
+    like: torch.Tensor | tuple[int, ...], seed: int = 1234, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A random (never uniform) gradient for backward: a uniform one (``.sum().backward()``)
+    hides sign, permutation and transposition bugs in backward."""
+    shape = tuple(like.shape) if isinstance(like, torch.Tensor) else tuple(like)
+    dtype = dtype or (like.dtype if isinstance(like, torch.Tensor) else torch.float64)
+    return synthetic(*shape, seed=seed, dtype=dtype)
+
+
+def random_mask(*shape: int, seed: int = 7, keep: float = 0.8) -> torch.Tensor:
+    """A seeded 0/1 mask (as float64) with about ``keep`` of the entries set."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(*shape, generator=g, dtype=torch.float64) < keep).to(torch.float64)
+
+
+@torch.no_grad()
+def perturb_zero_parameters(module: nn.Module, seed: int = 99, scale: float = 0.1) -> list[str]:
+    """Give every all-zero parameter (zero-initialised gates, output projections) seeded random
+    values, so gradient parity through it is not vacuous. Returns the names perturbed."""
+    g = torch.Generator().manual_seed(seed)
+    names = []
+    for name, p in module.named_parameters():
+        if p.numel() and not bool(p.any()):
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * scale)
+            names.append(name)
+    return names
