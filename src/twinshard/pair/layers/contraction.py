@@ -45,7 +45,7 @@ import torch
 from twinshard.comm import primitives as P
 from twinshard.runtime.grid import ProcessGrid
 
-__all__ = ["Contraction", "grid_contract", "grid_matmul", "schedule_name"]
+__all__ = ["Contraction", "Tiled", "grid_contract", "grid_matmul", "schedule_name"]
 
 _SKEW_OFFSET = 0
 _TRANSPOSE_TILES = True
@@ -68,7 +68,7 @@ def _inter(a: Range, b: Range) -> Range | None:
 
 
 @dataclass(frozen=True)
-class _Tiled:
+class Tiled:
     """A stored matrix operand: its local tile and global (rows, cols) on the grid."""
 
     tile: torch.Tensor
@@ -96,7 +96,7 @@ class _Fetch:
     def __init__(
         self,
         grid: ProcessGrid,
-        ops: Sequence[_Tiled],
+        ops: Sequence[Tiled],
         wants: Sequence[Callable[[int], tuple[Range, Range]]],
         op: str,
     ):
@@ -151,7 +151,7 @@ class _Fetch:
 
 
 def grid_matmul(
-    grid: ProcessGrid, x: _Tiled, tx: bool, y: _Tiled, ty: bool, equation: str, tag: str
+    grid: ProcessGrid, x: Tiled, tx: bool, y: Tiled, ty: bool, equation: str, tag: str
 ) -> torch.Tensor:
     """Local tile of ``Z = op(X) op(Y)`` (see module docstring); ``equation`` is the einsum of
     one block product on oriented tiles ``X'[b, m, k, ...]`` and ``Y'[b, k, n, ...]``."""
@@ -169,7 +169,7 @@ def grid_matmul(
 
 
 def _cannon(
-    grid: ProcessGrid, x: _Tiled, tx: bool, y: _Tiled, ty: bool, equation: str, tag: str
+    grid: ProcessGrid, x: Tiled, tx: bool, y: Tiled, ty: bool, equation: str, tag: str
 ) -> torch.Tensor:
     q = grid.rows
     r, c = grid.coords
@@ -214,9 +214,9 @@ def _cannon(
 
 def _summa(
     grid: ProcessGrid,
-    x: _Tiled,
+    x: Tiled,
     tx: bool,
-    y: _Tiled,
+    y: Tiled,
     ty: bool,
     equation: str,
     tag: str,
@@ -285,7 +285,7 @@ class _GridContract(torch.autograd.Function):
         ctx.grid, ctx.spec, ctx.xshape, ctx.yshape = grid, spec, xshape, yshape
         ctx.save_for_backward(x, y)
         return grid_matmul(
-            grid, _Tiled(x, *xshape), spec.tx, _Tiled(y, *yshape), spec.ty, spec.forward, spec.tag
+            grid, Tiled(x, *xshape), spec.tx, Tiled(y, *yshape), spec.ty, spec.forward, spec.tag
         )
 
     @staticmethod
@@ -293,10 +293,10 @@ class _GridContract(torch.autograd.Function):
         x, y = ctx.saved_tensors
         grid, spec = ctx.grid, ctx.spec
         tx, ty = spec.tx, spec.ty
-        X, Y = _Tiled(x, *ctx.xshape), _Tiled(y, *ctx.yshape)
+        X, Y = Tiled(x, *ctx.xshape), Tiled(y, *ctx.yshape)
         mz = ctx.xshape[1] if tx else ctx.xshape[0]
         nz = ctx.yshape[0] if ty else ctx.yshape[1]
-        Z = _Tiled(gz.contiguous(), mz, nz)
+        Z = Tiled(gz.contiguous(), mz, nz)
         tag = f"{spec.tag}:backward"
         gx = gy = None
         if ctx.needs_input_grad[0]:
@@ -335,6 +335,4 @@ def grid_contract(
                 f"operand {name}: tile {tuple(t.shape)} does not tile a {rows} x "
                 f"{cols} matrix on a {grid.rows}x{grid.cols} grid"
             )
-    return _GridContract.apply(
-        x.contiguous(), y.contiguous(), grid, spec, tuple(xshape), tuple(yshape)
-    )
+    return _GridContract.apply(x.contiguous(), y.contiguous(), grid, spec, tuple(xshape), tuple(yshape))

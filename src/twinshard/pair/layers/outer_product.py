@@ -1,0 +1,95 @@
+"""CP twin of the outer product mean (MSA -> pair) on a rows x cols grid.
+
+Placements. In: MSA ``m[B, Sp, Np, c_in]`` at ``(Shard(1), Shard(2))`` (sequences over
+grid rows, tokens over grid columns) and its mask ``[B, Sp, Np]`` at the same placements
+(Sp padded to a multiple of rows, Np to a multiple of lcm(rows, cols), padding masked
+out by ``twinshard.pair.features``). Out: pair ``z[B, Np, Np, c_out]`` at
+``(Shard(1), Shard(2))``.
+
+Computation. ``norm``, ``proj_a``, ``proj_b`` and the masking are token-local on the MSA
+tile. The sum over sequences ``O = A^T (x) B`` (an outer product in the channels,
+contracted over s) is a distributed contraction whose reduction index s runs over the
+grid rows (``twinshard.pair.layers.contraction``: Cannon on square grids with A's tiles
+arriving grid-transposed, SUMMA over s-segments otherwise). The pair counts
+``sum_s mask_si mask_sj`` are the same contraction on the mask (one channel, no grad).
+``O / max(1, count)`` and ``proj_o`` are pair-tile local. Nothing larger than a pair
+tile x c_hidden^2 (the accumulator) exists on any rank.
+
+Collectives. Forward: the contraction of the ``a``/``b`` MSA tiles (c_hidden channels)
+and of the mask (1 channel): Cannon skew + q - 1 ring shifts, or R + C - 1 segment
+exchanges. Backward: two contractions (``dA = B dO^T``, ``dB = A dO``) that move the
+``b``/``a`` MSA tiles and the ``dO`` pair tiles (c_hidden^2 channels, so the backward
+moves ~c_hidden / 2 times the forward's bytes), and one all-reduce of the flat
+parameter gradient over the grid (>= fp32).
+
+Memory saved for backward per rank: the serial module's activations for one MSA tile
+(LayerNorm, projections, ``a``/``b``) and one pair tile (the ``proj_o`` input, tile x
+c_hidden^2): serial / P.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from twinshard.pair.layers.contraction import Contraction, Tiled, grid_contract, grid_matmul
+from twinshard.pair.layers.tokenwise import TokenwiseTwin
+from twinshard.pair.layers.triangle import pair_grid
+from twinshard.pair.reference.outer_product import OuterProductMean
+from twinshard.runtime.grid import ProcessGrid
+from twinshard.tensors.dtensor import MSA, check_placements
+
+__all__ = ["CPOuterProductMean", "OPM_SPEC"]
+
+# X = A (stored [S, N], used transposed), Y = B: O[i, j, c, d] = sum_s A[s, i, c] B[s, j, d].
+OPM_SPEC = Contraction(
+    tx=True,
+    ty=False,
+    forward="bmkc,bknd->bmncd",
+    grad_x="bmkd,bkncd->bmnc",  # dA[s, i, c] = sum_j B[s, j, d] dO[i, j, c, d]  (B, dO^T)
+    grad_y="bmkc,bkncd->bmnd",  # dB[s, j, d] = sum_i A[s, i, c] dO[i, j, c, d]  (A^T^T, dO)
+    tag="opm",
+)
+_COUNT = "bmkc,bknd->bmncd"
+
+
+class CPOuterProductMean(OuterProductMean, TokenwiseTwin):
+    """Context-parallel outer product mean; parameters as the serial module (see module doc)."""
+
+    def forward(
+        self,
+        m: DTensor | torch.Tensor,
+        mask: DTensor | torch.Tensor | None = None,
+        grid: ProcessGrid | None = None,
+    ) -> DTensor | torch.Tensor:
+        if self._on_tile:
+            return self._tile_forward(m, mask, grid)
+        check_placements(m, MSA, f"{type(self).__name__} input m", ndim=4)
+        if m.shape[-1] != self.c_in:
+            raise ValueError(f"expected an MSA [B, S, N, {self.c_in}], got {tuple(m.shape)}")
+        grid = pair_grid(m)
+        if m.shape[2] % grid.rows:
+            raise ValueError(
+                f"token count {m.shape[2]} is not a multiple of the {grid.rows} grid "
+                "rows: pad N to a multiple of lcm(rows, cols) (twinshard.pair.features)"
+            )
+        if mask is None:
+            mask_local = torch.ones(m.to_local().shape[:3], dtype=m.dtype, device=m.device)
+        else:
+            check_placements(mask, MSA, f"{type(self).__name__} mask", ndim=3)
+            if tuple(mask.shape) != tuple(m.shape[:3]):
+                raise ValueError(f"mask {tuple(mask.shape)} does not match m {tuple(m.shape)}")
+            mask_local = mask.to_local()
+        return self.tile_forward(m, mask_local, grid)
+
+    def _tile_forward(self, m: torch.Tensor, mask: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
+        a, b = self.project_in(m, mask)
+        s, n = m.shape[1] * grid.rows, m.shape[2] * grid.cols
+        with torch.no_grad():
+            mk = mask.to(a.dtype).unsqueeze(-1).contiguous()
+            count = grid_matmul(grid, Tiled(mk, s, n), True, Tiled(mk, s, n), False, _COUNT, "opm_count")
+            count = count.reshape(*count.shape[:3], 1).clamp(min=1)
+        o = grid_contract(a, b, grid, OPM_SPEC, (s, n), (s, n))
+        o = o.reshape(*o.shape[:3], self.c_hidden * self.c_hidden) / count
+        # The output is a pair tile: rows block r of Np, columns block c of Np.
+        return self.project_out(o, m.dtype)
