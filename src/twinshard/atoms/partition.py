@@ -47,9 +47,7 @@ class PartitionError(ValueError):
 def _as_cell(cell: torch.Tensor) -> torch.Tensor:
     cell = torch.as_tensor(cell, dtype=torch.float64)
     if cell.shape != (3, 3):
-        raise PartitionError(
-            f"cell must be 3x3 (rows are lattice vectors), got {tuple(cell.shape)}"
-        )
+        raise PartitionError(f"cell must be 3x3 (rows are lattice vectors), got {tuple(cell.shape)}")
     return cell
 
 
@@ -90,9 +88,7 @@ def rank_grid_shapes(nranks: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _halo_surface(
-    cell: torch.Tensor, pbc: tuple[bool, bool, bool], grid: tuple[int, int, int]
-) -> float:
+def _halo_surface(cell: torch.Tensor, pbc: tuple[bool, bool, bool], grid: tuple[int, int, int]) -> float:
     """Area of the subdomain faces that carry a halo (periodic or cut axes), per subdomain."""
     edges = [cell[a] / grid[a] for a in range(3)]
     area = 0.0
@@ -200,14 +196,13 @@ class SpatialPartition:
         shapes = rank_grid_shapes(nranks)
         fitting = [g for g in shapes if misfit(g) is None]
         if not fitting:
-            max_fit = 1
-            for a in range(3):
-                max_fit *= max(1, int(float(heights[a]) // w))
+            per_axis = [max(1, int(float(heights[a]) // w)) for a in range(3)]
             best = min(shapes, key=lambda g: _halo_surface(cell, pbc_t, g))
             raise PartitionError(
                 f"the box is too small for {nranks} ranks: {misfit(best)}; no grid of {nranks} "
-                f"ranks fits, at most {max_fit} ranks fit this cell (use fewer ranks, a smaller "
-                "cutoff or skin, or a bigger box)"
+                f"ranks fits: at most {per_axis} ranks fit along the three axes (so at most "
+                f"{per_axis[0] * per_axis[1] * per_axis[2]} ranks, as a grid within those); use "
+                "fewer ranks, a smaller cutoff or skin, or a bigger box"
             )
         best = min(fitting, key=lambda g: _halo_surface(cell, pbc_t, g))
         return SpatialPartition(cell, pbc_t, best, origin, w)

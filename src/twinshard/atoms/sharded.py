@@ -1,0 +1,446 @@
+"""A system sharded over ranks: owned atoms per rank, halos, migration.
+
+:class:`ShardedSystem` is the distributed twin of :class:`~twinshard.atoms.system.System`:
+each rank holds only the atoms it owns (``positions``, ``velocities``, ``masses``,
+``numbers``, ``ids`` and every extra per-atom array, all ``Shard(0)`` with uneven
+counts) plus the replicated per-system values (``cell``, ``pbc``, ``info``).
+Every atom keeps its global id through scatter, migration and gather.
+
+Lifecycle (every call marked *collective* must be reached by every rank of
+the group, in the same order):
+
+1. ``ShardedSystem.scatter(source, src=0, cutoff=..., skin=...)`` (collective):
+   only rank ``src`` holds the system (a System, an ``ase.Atoms`` or a file
+   path); the others pass ``None``. Reading and validating the structure and
+   choosing the rank grid happen on ``src`` inside a fail-together step, so a
+   missing file, NaN coordinates, a missing mass or a box too small for the
+   ranks raise the same error on every rank. Schema, dtypes, cell, pbc, info
+   and the partition are broadcast; each field goes out in one all_to_all.
+2. The MD driver changes ``positions`` / ``velocities`` in place (owned rows),
+   then calls ``update()`` (collective): if any atom, on any rank, moved more
+   than ``skin / 2`` since the last build, atoms that left their subdomain
+   (by more than ``hysteresis``) migrate to their new owner (all_to_all), and
+   the halo plan and the padded-block neighbour list are rebuilt.
+3. ``block_graph()`` gives the potential-contract graph of the halo-padded
+   block (see :mod:`twinshard.atoms.potentials.base`), ``local()`` a plain
+   System of the owned atoms, ``gather(dst)`` / ``gather_all()`` the whole
+   system (atoms ordered by id).
+
+Invariant: after every collective call, each global id is owned by exactly one
+rank (no atom lost or duplicated) and owned rows are sorted by id.
+
+Memory per rank: owned atoms (N / P) plus the halo (~ surface x ghost width x
+density) and the neighbour list of owned receivers; nothing scales with N.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from twinshard.atoms.halo import HaloPlan
+from twinshard.atoms.neighbors import Edges, neighbor_list
+from twinshard.atoms.partition import BlockPartition, SpatialPartition
+from twinshard.atoms.potentials.base import Graph
+from twinshard.atoms.system import System
+from twinshard.comm import primitives as prim
+from twinshard.runtime import agree_step, require_world
+
+__all__ = ["ShardedSystem"]
+
+_CORE = ("positions", "velocities", "masses", "numbers", "ids")
+
+
+def _as_system(source: Any, dtype: torch.dtype | None) -> System:
+    """A System from a System, an ``ase.Atoms`` or a structure file path."""
+    if isinstance(source, System):
+        system = source
+    elif isinstance(source, (str, os.PathLike)):
+        from twinshard.atoms.io import read
+
+        system = read(source)
+    elif hasattr(source, "get_positions") and hasattr(source, "get_atomic_numbers"):
+        system = System.from_ase(source)
+    elif source is None:
+        raise ValueError(
+            "the source rank passed None: give a System, an ase.Atoms or a structure file path "
+            "on the source rank (the other ranks pass None)"
+        )
+    else:
+        raise TypeError(f"cannot shard a {type(source).__name__}; give a System, ase.Atoms or path")
+    if dtype is not None and system.dtype != dtype:
+        system = system.to(dtype=dtype)
+    system.validate()
+    return system
+
+
+class ShardedSystem:
+    """Owned atoms of this rank, the halo plan, and the padded-block neighbour list.
+
+    Attributes (owned rows, sorted by id): ``positions [n, 3]``, ``velocities
+    [n, 3]``, ``masses [n]``, ``numbers [n]``, ``ids [n]``, ``arrays`` (extra
+    per-atom fields). Replicated: ``cell``, ``pbc``, ``info``, ``n_total``,
+    ``partition``, ``cutoff``, ``skin``, ``hysteresis``, ``migrations`` (atoms
+    moved between ranks so far), ``builds`` (plan/neighbour-list builds).
+    Per rank: ``plan`` (:class:`~twinshard.atoms.halo.HaloPlan`), ``edges`` (on
+    the padded block, owned receivers only, built with ``cutoff + skin``),
+    ``halo_numbers``.
+
+    Do not construct directly; use :meth:`scatter`.
+    """
+
+    def __init__(self) -> None:
+        self.group: dist.ProcessGroup | None = None
+        self.rank = 0
+        self.nranks = 1
+        self.positions = torch.zeros(0, 3, dtype=torch.float64)
+        self.velocities = torch.zeros(0, 3, dtype=torch.float64)
+        self.masses = torch.zeros(0, dtype=torch.float64)
+        self.numbers = torch.zeros(0, dtype=torch.int64)
+        self.ids = torch.zeros(0, dtype=torch.int64)
+        self.arrays: dict[str, torch.Tensor] = {}
+        self.cell = torch.zeros(3, 3, dtype=torch.float64)
+        self.pbc = torch.zeros(3, dtype=torch.bool)
+        self.info: dict[str, Any] = {}
+        self.n_total = 0
+        self.partition: SpatialPartition | BlockPartition | None = None
+        self.cutoff = 0.0
+        self.skin = 0.0
+        self.hysteresis = 0.0
+        self.migrations = 0
+        self.builds = 0
+        self.plan: HaloPlan | None = None
+        self.edges: Edges | None = None
+        self.halo_numbers = torch.zeros(0, dtype=torch.int64)
+        self._ref: torch.Tensor | None = None
+        self._schema: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+
+    # ------------------------------------------------------------- scatter
+    @classmethod
+    def scatter(
+        cls,
+        source: System | Any | str | None,
+        src: int = 0,
+        *,
+        cutoff: float,
+        skin: float = 1.0,
+        hysteresis: float | None = None,
+        partition: str = "spatial",
+        grid: tuple[int, int, int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> ShardedSystem:
+        """Collective: distribute the system held by rank ``src`` over the group.
+
+        Args:
+            source: on ``src`` a System, an ``ase.Atoms`` or a structure file path;
+                ``None`` on every other rank.
+            cutoff: the potential's cutoff (Angstrom); ``skin``: Verlet skin.
+                Ghost width = ``cutoff + skin``.
+            hysteresis: an atom stays with its owner while it is within this
+                distance outside the owner's slab (default ``skin / 4``).
+            partition: ``"spatial"`` (3-D slabs, default) or ``"block"``
+                (contiguous ids, no migration).
+            grid: force the 3-D rank grid of a spatial partition.
+            dtype: cast float fields to this dtype (default: keep the source's).
+
+        Collectives: a fail-together step, 3 broadcasts (header length, header,
+        counts), one all_to_all per field, then the plan build (see ``update``).
+
+        Raises (on every rank, as RankFailure): unreadable file, NaN
+        coordinates, missing masses, box too small for the rank grid, ...
+        """
+        require_world("ShardedSystem.scatter")
+        if not (cutoff > 0 and math.isfinite(cutoff)) or not (skin >= 0 and math.isfinite(skin)):
+            raise ValueError(f"cutoff must be > 0 and skin >= 0, got {cutoff}, {skin}")
+        hyst = 0.25 * skin if hysteresis is None else float(hysteresis)
+        me, nranks = dist.get_rank(group), dist.get_world_size(group)
+        if not 0 <= src < nranks:
+            raise ValueError(f"src={src} is not a rank of a group of {nranks}")
+        self = cls()
+        self.group, self.rank, self.nranks = group, me, nranks
+        self.cutoff, self.skin, self.hysteresis = float(cutoff), float(skin), hyst
+        system: System | None = None
+        payload = b""
+        with agree_step("scatter: read, validate and partition the system", group):
+            if me == src:
+                system = _as_system(source, dtype)
+                part = _make_partition(system, partition, nranks, cutoff + skin, grid)
+                schema = [
+                    (k, getattr(system, k).dtype, tuple(getattr(system, k).shape[1:]))
+                    for k in _CORE
+                ]
+                schema += [
+                    (f"arrays.{k}", v.dtype, tuple(v.shape[1:]))
+                    for k, v in sorted(system.arrays.items())
+                ]
+                header = {
+                    "n": system.n_atoms,
+                    "schema": schema,
+                    "cell": system.cell,
+                    "pbc": system.pbc,
+                    "info": system.info,
+                    "partition": part,
+                }
+                payload = pickle.dumps(header)
+        length = prim.broadcast(
+            torch.tensor([len(payload)], dtype=torch.int64), src, group, op="scatter"
+        )
+        raw = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if me == src
+            else torch.zeros(int(length[0]), dtype=torch.uint8)
+        )
+        raw = prim.broadcast(raw, src, group, op="scatter")
+        header = pickle.loads(raw.numpy().tobytes())  # our own source rank's bytes
+        self.n_total = int(header["n"])
+        self._schema = header["schema"]
+        self.cell, self.pbc, self.info = header["cell"], header["pbc"], header["info"]
+        self.partition = header["partition"]
+        if me == src:
+            assert system is not None
+            order = torch.argsort(system.ids)
+            # a block partition splits the id-sorted list, whatever values the ids have
+            keys = (
+                torch.arange(system.n_atoms)
+                if isinstance(self.partition, BlockPartition)
+                else system.ids[order]
+            )
+            owners = self.partition.owner_of(
+                self.partition.fractional(system.positions[order]), keys
+            )
+            order = order[torch.sort(owners, stable=True).indices]
+            counts = torch.bincount(owners, minlength=nranks).to(torch.int64)
+            fields = {name: self._field_of(system, name)[order] for name, _, _ in self._schema}
+        else:
+            counts = torch.zeros(nranks, dtype=torch.int64)
+            fields = {name: torch.zeros((0,) + tail, dtype=dt) for name, dt, tail in self._schema}
+        counts = prim.broadcast(counts, src, group, op="scatter")
+        send = counts.tolist() if me == src else [0] * nranks
+        recv = [0] * nranks
+        recv[src] = int(counts[me])
+        self._set_fields({n: _a2a(fields[n], send, recv, group, "scatter") for n in fields})
+        self._build()
+        return self
+
+    @staticmethod
+    def _field_of(system: System, name: str) -> torch.Tensor:
+        if name.startswith("arrays."):
+            return system.arrays[name[7:]]
+        return getattr(system, name)
+
+    def _fields(self) -> dict[str, torch.Tensor]:
+        return {name: self._get(name) for name, _, _ in self._schema}
+
+    def _get(self, name: str) -> torch.Tensor:
+        return self.arrays[name[7:]] if name.startswith("arrays.") else getattr(self, name)
+
+    def _set_fields(self, fields: dict[str, torch.Tensor]) -> None:
+        order = torch.argsort(fields["ids"])
+        for name, t in fields.items():
+            t = t[order].contiguous()
+            if name.startswith("arrays."):
+                self.arrays[name[7:]] = t
+            else:
+                setattr(self, name, t)
+
+    # ------------------------------------------------------------- queries
+    @property
+    def n_owned(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def n_halo(self) -> int:
+        return 0 if self.plan is None else self.plan.n_halo
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.positions.dtype
+
+    @property
+    def volume(self) -> float:
+        return abs(float(torch.linalg.det(self.cell.to(torch.float64))))
+
+    def local(self) -> System:
+        """The owned atoms as a plain System (views of this rank's tensors)."""
+        return System(
+            positions=self.positions,
+            numbers=self.numbers,
+            cell=self.cell,
+            pbc=self.pbc,
+            masses=self.masses,
+            velocities=self.velocities,
+            ids=self.ids,
+            arrays=dict(self.arrays),
+            info=dict(self.info),
+        )
+
+    def block_graph(self, positions: torch.Tensor | None = None) -> Graph:
+        """The halo-padded block as a potential-contract Graph (collective: halo exchange).
+
+        ``positions`` are this rank's owned positions (default ``self.positions``);
+        the block positions are differentiable in them *through the halo*: the
+        backward of the forward exchange is the reverse exchange, so the gradient
+        of the sum of every rank's owned energies lands on the owners. ``refresh``
+        is the forward halo exchange of node features.
+        """
+        assert self.plan is not None and self.edges is not None
+        x = self.positions if positions is None else positions
+        block = self.plan.padded_positions(x, self.cell)
+        e = self.edges
+        return Graph(
+            positions=block,
+            numbers=torch.cat([self.numbers, self.halo_numbers]),
+            senders=e.senders,
+            receivers=e.receivers,
+            shifts=torch.zeros(e.n_edges, 3, dtype=x.dtype, device=x.device),
+            n_owned=self.n_owned,
+            refresh=self.plan.refresh,
+        )
+
+    def counts(self) -> list[int]:
+        """Owned atoms per rank (collective: one all_gather)."""
+        c = torch.tensor([self.n_owned], dtype=torch.int64)
+        return prim.all_gather(c, 0, self.group, op="gather").tolist()
+
+    def gather(self, dst: int = 0) -> System | None:
+        """Collective: the whole system (ordered by id) on rank ``dst``, ``None`` elsewhere."""
+        counts = self.counts()
+        send = [0] * self.nranks
+        send[dst] = self.n_owned
+        recv = counts if self.rank == dst else [0] * self.nranks
+        got = {n: _a2a(t, send, recv, self.group, "gather") for n, t in self._fields().items()}
+        return self._system_from(got) if self.rank == dst else None
+
+    def gather_all(self) -> System:
+        """Collective: the whole system (ordered by id) on every rank."""
+        counts = self.counts()
+        got = {n: _gather_rows(t, counts, self.group) for n, t in self._fields().items()}
+        return self._system_from(got)
+
+    def _system_from(self, f: dict[str, torch.Tensor]) -> System:
+        order = torch.argsort(f["ids"])
+        f = {k: v[order] for k, v in f.items()}
+        return System(
+            positions=f["positions"],
+            numbers=f["numbers"],
+            cell=self.cell,
+            pbc=self.pbc,
+            masses=f["masses"],
+            velocities=f["velocities"],
+            ids=f["ids"],
+            arrays={k[7:]: v for k, v in f.items() if k.startswith("arrays.")},
+            info=dict(self.info),
+        )
+
+    # -------------------------------------------------------------- update
+    def max_displacement(self) -> float:
+        """Collective: the largest displacement of any atom since the last build (inf if NaN)."""
+        assert self._ref is not None
+        d = (self.positions.detach() - self._ref).norm(dim=1)
+        local = float(d.max()) if d.numel() else 0.0
+        bad = int((~torch.isfinite(self.positions.detach()).all(1)).sum())
+        stats = torch.tensor(
+            [[local if math.isfinite(local) else math.inf, float(bad)]], dtype=torch.float64
+        )
+        allstats = prim.all_gather(stats, 0, self.group, op="update")
+        if bool((allstats[:, 1] > 0).any()):
+            where = {r: int(allstats[r, 1]) for r in range(self.nranks) if allstats[r, 1] > 0}
+            raise ValueError(
+                f"non-finite (NaN/inf) positions on ranks {where} (rank: atoms); the dynamics "
+                "diverged: use a smaller time step or check the potential and the start structure"
+            )
+        return float(allstats[:, 0].max())
+
+    def update(self, force: bool = False) -> bool:
+        """Collective: after an integration step, migrate and rebuild if needed.
+
+        Rebuilds (migration + halo plan + neighbour list) when ``force`` or when
+        any atom on any rank moved more than ``skin / 2`` since the last build;
+        every rank takes the same decision from one all_gather. Returns whether
+        it rebuilt. Raises ValueError on every rank if any position is NaN/inf.
+        """
+        if self.max_displacement() > 0.5 * self.skin or force:
+            self._migrate()
+            self._build()
+            return True
+        return False
+
+    def _migrate(self) -> None:
+        part = self.partition
+        if isinstance(part, BlockPartition) or self.nranks == 1:
+            return
+        frac = part.fractional(self.positions.detach())
+        cur = torch.full((self.n_owned,), self.rank, dtype=torch.int64)
+        dest = part.owner_of(frac, self.ids, current=cur, hysteresis=self.hysteresis)
+        order = torch.sort(dest, stable=True).indices
+        send = torch.bincount(dest, minlength=self.nranks).to(torch.int64)
+        recv = prim.all_to_all(send, [1] * self.nranks, [1] * self.nranks, self.group, op="migrate")
+        moved = prim.all_reduce(
+            torch.tensor([int(self.n_owned - send[self.rank])]), self.group, op="migrate"
+        )
+        self.migrations += int(moved[0])
+        if int(moved[0]) == 0:
+            return
+        s, r = send.tolist(), recv.tolist()
+        self._set_fields(
+            {n: _a2a(t[order], s, r, self.group, "migrate") for n, t in self._fields().items()}
+        )
+
+    def _build(self) -> None:
+        part = self.partition
+        x = self.positions.detach()
+        self.plan = HaloPlan.build(part.fractional(x), self.ids, part, group=self.group)
+        self.halo_numbers = self.plan.forward(self.numbers)
+        block = self.plan.padded_positions(x, self.cell)
+        edges = neighbor_list(block, self.cutoff + self.skin)
+        keep = edges.receivers < self.n_owned  # only owned receivers carry energy (contract)
+        self.edges = Edges(
+            edges.senders[keep], edges.receivers[keep], edges.shifts[keep], edges.cell_shifts[keep]
+        )
+        self._ref = x.clone()
+        self.builds += 1
+
+    def __repr__(self) -> str:
+        grid = getattr(self.partition, "grid", None)
+        return (
+            f"ShardedSystem(rank={self.rank}/{self.nranks}, owned={self.n_owned}, "
+            f"halo={self.n_halo}, total={self.n_total}, grid={grid}, "
+            f"migrations={self.migrations}, builds={self.builds})"
+        )
+
+
+def _make_partition(
+    system: System, kind: str, nranks: int, width: float, grid: tuple[int, int, int] | None
+) -> SpatialPartition | BlockPartition:
+    pbc = tuple(bool(p) for p in system.pbc.tolist())
+    cell = system.cell.detach().to(torch.float64)
+    if kind == "spatial":
+        return SpatialPartition.build(
+            cell, pbc, nranks, width, grid=grid, positions=system.positions.detach()
+        )
+    if kind == "block":
+        return BlockPartition.build(cell, pbc, nranks, width, natoms=system.n_atoms)
+    raise ValueError(f"unknown partition {kind!r}; choose 'spatial' or 'block'")
+
+
+def _a2a(
+    t: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None, op: str
+) -> torch.Tensor:
+    """all_to_all of rows; bool travels as uint8 (gloo has no bool)."""
+    if t.dtype == torch.bool:
+        return prim.all_to_all(t.to(torch.uint8), send, recv, group, op=op).to(torch.bool)
+    return prim.all_to_all(t.contiguous(), send, recv, group, op=op)
+
+
+def _gather_rows(
+    t: torch.Tensor, counts: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    if t.dtype == torch.bool:
+        return prim.all_gather(t.to(torch.uint8), 0, group, counts, op="gather").to(torch.bool)
+    return prim.all_gather(t.contiguous(), 0, group, counts, op="gather")
