@@ -1,0 +1,344 @@
+"""Molecular dynamics: velocity Verlet (NVE), Langevin BAOAB (NVT), thermo log, trajectory.
+
+The integrators act on plain per-atom tensors of *a set of atoms given by
+their global ids* (positions, velocities, forces, masses, ids): the serial run
+passes all atoms, a distributed run passes each rank's owned atoms, and the
+arithmetic per atom is identical. Langevin noise is drawn from
+:mod:`twinshard.tensors.rng` keyed by ``(seed, global atom id, step,
+component)``, so a distributed trajectory equals the serial one exactly, for
+any rank count and any migration history.
+
+:func:`simulate` is the time loop, written against the small :class:`Engine`
+protocol (state tensors, force evaluation, a global sum, gathering a frame);
+:class:`SerialEngine` is the single-process engine, and the distributed driver
+supplies its own.
+
+Units are ASE's (eV, Angstrom, amu); ``dt`` is given in femtoseconds, friction
+in 1/fs, temperature in K. Positions are never wrapped during a run (neighbour
+shifts follow the unwrapped coordinates); wrap on output if needed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from ase import units
+
+from twinshard.atoms.neighbors import VerletList
+from twinshard.atoms.potentials.base import evaluate
+from twinshard.atoms.system import System
+from twinshard.tensors import rng
+
+__all__ = [
+    "LANGEVIN_STREAM",
+    "VELOCITY_STREAM",
+    "VelocityVerlet",
+    "Langevin",
+    "maxwell_boltzmann",
+    "kinetic_energy",
+    "Engine",
+    "SerialEngine",
+    "ThermoLog",
+    "simulate",
+]
+
+LANGEVIN_STREAM = 0x4C414E47  # "LANG": Langevin noise stream of the counter-based RNG
+VELOCITY_STREAM = 0x56454C30  # "VEL0": initial Maxwell-Boltzmann velocities
+
+
+def _keys(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    comp = torch.arange(3, dtype=torch.int64, device=ids.device)
+    return ids.to(torch.int64)[:, None], comp[None, :]
+
+
+def kinetic_energy(velocities: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
+    """Sum of 1/2 m v^2 over the given atoms (a local partial sum when distributed)."""
+    return 0.5 * (masses[:, None] * velocities * velocities).sum()
+
+
+def maxwell_boltzmann(
+    masses: torch.Tensor, ids: torch.Tensor, temperature: float, seed: int = 0
+) -> torch.Tensor:
+    """Velocities ``sqrt(kB T / m) * N(0, 1)`` keyed by (seed, global id, component).
+
+    The same atom gets the same velocity on any rank. No centre-of-mass
+    correction (that would need a global sum; the driver can subtract one).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 K, got {temperature}")
+    ida, comp = _keys(ids)
+    xi = rng.normal(seed, VELOCITY_STREAM, ida, comp, dtype=masses.dtype, device=masses.device)
+    return torch.sqrt(units.kB * temperature / masses)[:, None] * xi
+
+
+class VelocityVerlet:
+    """NVE velocity Verlet. ``first``: half kick + drift; ``second``: half kick.
+
+    Args:
+        dt: time step in fs.
+    """
+
+    thermostat = False
+
+    def __init__(self, dt: float = 2.0) -> None:
+        if not dt > 0:
+            raise ValueError(f"dt must be positive (fs), got {dt}")
+        self.dt_fs = float(dt)
+        self.dt = float(dt) * units.fs
+
+    def first(
+        self,
+        positions: torch.Tensor,
+        velocities: torch.Tensor,
+        forces: torch.Tensor,
+        masses: torch.Tensor,
+        ids: torch.Tensor,
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns new positions, velocities and the heat exchanged (always 0 here)."""
+        v = velocities + (0.5 * self.dt) * forces / masses[:, None]
+        x = positions + self.dt * v
+        return x, v, torch.zeros((), dtype=velocities.dtype, device=velocities.device)
+
+    def second(
+        self,
+        velocities: torch.Tensor,
+        forces: torch.Tensor,
+        masses: torch.Tensor,
+        ids: torch.Tensor,
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        v = velocities + (0.5 * self.dt) * forces / masses[:, None]
+        return v, torch.zeros((), dtype=velocities.dtype, device=velocities.device)
+
+
+class Langevin(VelocityVerlet):
+    """Langevin dynamics, BAOAB splitting (Leimkuhler and Matthews, 2013).
+
+    ``first`` = B (half kick), A (half drift), O (exact Ornstein-Uhlenbeck
+    step), A (half drift); ``second`` = B. The O step's noise for atom ``id``
+    at ``step`` and component ``c`` is ``normal(seed, LANGEVIN_STREAM, id,
+    step, c)``; the kinetic energy it adds is returned as heat, so the
+    conserved quantity ``E_pot + E_kin - sum(heat)`` is flat up to the
+    integrator error.
+
+    Args:
+        dt: time step in fs.
+        temperature: bath temperature in K.
+        friction: collision rate gamma in 1/fs.
+        seed: noise seed.
+    """
+
+    thermostat = True
+
+    def __init__(
+        self, dt: float = 2.0, temperature: float = 300.0, friction: float = 0.01, seed: int = 0
+    ) -> None:
+        super().__init__(dt)
+        if temperature < 0 or friction < 0:
+            raise ValueError("temperature and friction must be >= 0")
+        self.temperature = float(temperature)
+        self.friction = float(friction)
+        self.seed = int(seed)
+        self.c1 = math.exp(-self.friction * self.dt_fs)
+        self.c2 = math.sqrt(1.0 - self.c1 * self.c1)
+
+    def first(
+        self,
+        positions: torch.Tensor,
+        velocities: torch.Tensor,
+        forces: torch.Tensor,
+        masses: torch.Tensor,
+        ids: torch.Tensor,
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        m = masses[:, None]
+        v = velocities + (0.5 * self.dt) * forces / m
+        x = positions + (0.5 * self.dt) * v
+        ida, comp = _keys(ids)
+        xi = rng.normal(self.seed, LANGEVIN_STREAM, ida, int(step), comp, dtype=v.dtype, device=v.device)
+        sigma = torch.sqrt(units.kB * self.temperature / m)
+        v_new = self.c1 * v + self.c2 * sigma * xi
+        heat = kinetic_energy(v_new, masses) - kinetic_energy(v, masses)
+        x = x + (0.5 * self.dt) * v_new
+        return x, v_new, heat
+
+
+class Engine(Protocol):
+    """What :func:`simulate` needs; serial and distributed engines implement it.
+
+    ``positions``, ``velocities``, ``masses``, ``ids`` are the local atoms'
+    tensors (all atoms serially, the owned atoms of this rank distributed).
+    """
+
+    positions: torch.Tensor
+    velocities: torch.Tensor
+    masses: torch.Tensor
+    ids: torch.Tensor
+    rank: int
+    n_atoms: int  # global
+
+    def set_state(self, positions: torch.Tensor, velocities: torch.Tensor) -> None:
+        """Store integrated state (distributed: may migrate atoms between ranks)."""
+
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(total potential energy, forces on the local atoms in the local order)."""
+
+    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (identity serially)."""
+
+    def gather(self) -> System | None:
+        """The whole system on rank 0 (ordered by id), ``None`` elsewhere."""
+
+
+class SerialEngine:
+    """All atoms in one process; a Verlet list with ``skin`` for the edges."""
+
+    rank = 0
+
+    def __init__(self, potential: torch.nn.Module, system: System, skin: float = 1.0) -> None:
+        self.potential = potential
+        self.system = system.clone()
+        self.verlet = VerletList(float(potential.cutoff), skin)
+        self.n_atoms = system.n_atoms
+
+    positions = property(lambda self: self.system.positions)
+    velocities = property(lambda self: self.system.velocities)
+    masses = property(lambda self: self.system.masses)
+    ids = property(lambda self: self.system.ids)
+
+    @property
+    def rebuilds(self) -> int:
+        return self.verlet.n_builds
+
+    def set_state(self, positions: torch.Tensor, velocities: torch.Tensor) -> None:
+        self.system.positions = positions
+        self.system.velocities = velocities
+
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        res = evaluate(self.potential, self.system, self.verlet, compute_stress=False)
+        return res.energy, res.forces
+
+    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather(self) -> System:
+        return self.system.clone()
+
+
+@dataclass
+class ThermoLog:
+    """Rows of (step, time_fs, potential, kinetic, temperature, conserved), eV and K."""
+
+    n_atoms: int
+    rows: list[dict[str, float]] = field(default_factory=list)
+    path: str | os.PathLike | None = None
+
+    COLUMNS = ("step", "time_fs", "potential", "kinetic", "temperature", "conserved")
+
+    def add(
+        self, step: int, time_fs: float, potential: float, kinetic: float, conserved: float
+    ) -> dict[str, float]:
+        temp = 2.0 * kinetic / (3.0 * self.n_atoms * units.kB) if self.n_atoms else 0.0
+        row = {
+            "step": step,
+            "time_fs": time_fs,
+            "potential": potential,
+            "kinetic": kinetic,
+            "temperature": temp,
+            "conserved": conserved,
+        }
+        self.rows.append(row)
+        if self.path is not None:
+            new = len(self.rows) == 1
+            with open(self.path, "w" if new else "a") as f:
+                if new:
+                    f.write("# " + " ".join(self.COLUMNS) + "\n")
+                f.write(" ".join(f"{row[c]:.12g}" for c in self.COLUMNS) + "\n")
+        return row
+
+    def column(self, name: str) -> list[float]:
+        return [r[name] for r in self.rows]
+
+    def to_json(self) -> str:
+        return json.dumps(self.rows)
+
+
+def simulate(
+    engine: Engine,
+    integrator: VelocityVerlet,
+    steps: int,
+    thermo_every: int = 1,
+    thermo_path: str | os.PathLike | None = None,
+    trajectory: str | os.PathLike | None = None,
+    trajectory_every: int = 10,
+    progress: bool = False,
+    callback: Callable[[int, Engine], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``steps`` MD steps; every rank calls it with its own engine.
+
+    Step ``s`` (1-based) uses noise keys ``step = s``. Thermo rows are written
+    every ``thermo_every`` steps (and at step 0); a trajectory frame (extxyz,
+    gathered on rank 0) every ``trajectory_every`` steps. The global sums
+    (energies, heat) are issued on every rank at the same steps, so all ranks
+    reach the same collectives. Returns ``{"thermo": ThermoLog, "seconds":
+    float, "energy": final potential energy}``.
+    """
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    log = ThermoLog(engine.n_atoms, path=thermo_path if engine.rank == 0 else None)
+    heat_total = torch.zeros((), dtype=engine.positions.dtype)
+
+    def record(step: int, energy: torch.Tensor) -> None:
+        ke = engine.reduce_sum(kinetic_energy(engine.velocities, engine.masses))
+        e, k = float(energy), float(ke)
+        log.add(step, step * integrator.dt_fs, e, k, e + k - float(heat_total))
+
+    def write_frame(step: int, energy: torch.Tensor) -> None:
+        frame = engine.gather()  # a collective in a distributed run: every rank calls it
+        if frame is not None and engine.rank == 0:
+            from twinshard.atoms.io import write
+
+            write(trajectory, frame, format="extxyz", append=step > 0, energy=float(energy))
+
+    energy, forces = engine.compute()
+    record(0, energy)
+    if trajectory is not None:
+        write_frame(0, energy)
+    bar = None
+    if progress and engine.rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, desc="md", unit="step")
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        x, v, heat = integrator.first(
+            engine.positions, engine.velocities, forces, engine.masses, engine.ids, step
+        )
+        engine.set_state(x, v)
+        energy, forces = engine.compute()
+        v, heat2 = integrator.second(engine.velocities, forces, engine.masses, engine.ids, step)
+        engine.set_state(engine.positions, v)
+        if integrator.thermostat:
+            heat_total = heat_total + engine.reduce_sum(heat + heat2)
+        if step % thermo_every == 0 or step == steps:
+            record(step, energy)
+        if trajectory is not None and step % trajectory_every == 0:
+            write_frame(step, energy)
+        if callback is not None:
+            callback(step, engine)
+        if bar is not None:
+            bar.update(1)
+            if log.rows:
+                bar.set_postfix(T=f"{log.rows[-1]['temperature']:.1f}K", refresh=False)
+    seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return {"thermo": log, "seconds": seconds, "energy": float(energy)}
