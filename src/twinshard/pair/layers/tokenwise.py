@@ -34,9 +34,7 @@ from twinshard.tensors.dtensor import check_placements, from_local, reduction_ax
 __all__ = ["TokenwiseTwin", "grad_group", "pointwise", "replicated_params"]
 
 
-def grad_group(
-    mesh: DeviceMesh, placements: Sequence[Placement]
-) -> dist.ProcessGroup | None | bool:
+def grad_group(mesh: DeviceMesh, placements: Sequence[Placement]) -> dist.ProcessGroup | None | bool:
     """Process group over which parameter gradients of a layer on ``placements`` are summed.
 
     Returns ``False`` when no mesh axis is sharded (nothing to sum), ``None`` (the
@@ -120,8 +118,10 @@ class TokenwiseTwin(nn.Module):
 def pointwise(fn: Callable[..., torch.Tensor], *xs: DTensor) -> DTensor:
     """``fn`` applied to the local tiles of DTensors that share mesh, placements and shape.
 
-    For gating (``a * sigmoid(g)``), residual adds and masks: no collective, and a
+    For gating (``a * sigmoid(g)``), residual adds and masks (e.g. ``pair_mask[B, N, N]``
+    against ``z[B, N, N, c]``: ``fn`` does the broadcasting): no collective, and a
     clear error instead of an implicit redistribution when the placements differ.
+    The output takes the placements of the first argument.
     """
     if not xs:
         raise ValueError("pointwise needs at least one DTensor")
@@ -135,7 +135,11 @@ def pointwise(fn: Callable[..., torch.Tensor], *xs: DTensor) -> DTensor:
                 f"{x.device_mesh}, argument 0 has {tuple(first.placements)} on "
                 f"{first.device_mesh}: elementwise ops need identical placements"
             )
-        if x.shape[:-1] != first.shape[:-1]:
-            raise ValueError(f"pointwise shapes differ: {tuple(first.shape)} vs {tuple(x.shape)}")
+        sharded = [p.dim for p in first.placements if isinstance(p, Shard)]
+        if any(x.shape[d] != first.shape[d] for d in sharded):
+            raise ValueError(
+                f"pointwise: shapes {tuple(first.shape)} and {tuple(x.shape)} differ along the "
+                f"sharded dims {sharded}; only unsharded trailing dims may broadcast"
+            )
     out = fn(*(x.to_local() for x in xs))
     return from_local(out, first.device_mesh, first.placements)
