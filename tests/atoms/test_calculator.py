@@ -1,0 +1,69 @@
+"""The ASE calculator, serial and inside a world."""
+
+import numpy as np
+import pytest
+import torch
+
+from twinshard.atoms.calculator import TwinshardCalculator
+from twinshard.atoms.potentials import LennardJones, MessagePassingPotential, evaluate
+from twinshard.atoms.structures import lj_mixture, lj_mixture_parameters
+from twinshard.testing import run_on_world
+
+
+def _atoms():
+    s = lj_mixture(120, seed=2)
+    s.ids = torch.randperm(120, generator=torch.Generator().manual_seed(0))  # not arange
+    return s
+
+
+def _potential(name):
+    if name == "lj":
+        return LennardJones(lj_mixture_parameters(), cutoff=6.0)
+    return MessagePassingPotential(species=(18, 36), cutoff=4.5, seed=2)
+
+
+def test_serial_calculator_matches_evaluate():
+    s = _atoms()
+    pot = _potential("lj")
+    atoms = s.to_ase()
+    atoms.calc = TwinshardCalculator(pot)
+    ref = evaluate(pot, s)
+    assert atoms.get_potential_energy() == pytest.approx(float(ref.energy), rel=1e-15)
+    np.testing.assert_array_equal(atoms.get_forces(), ref.forces.numpy())
+    np.testing.assert_array_equal(atoms.get_potential_energies(), ref.per_atom.numpy())
+    st = ref.stress.numpy()
+    np.testing.assert_array_equal(atoms.get_stress(voigt=False), st)
+    with pytest.raises(TypeError, match="cutoff"):
+        TwinshardCalculator(torch.nn.Linear(2, 2))
+
+
+def _on_rank(name):
+    from twinshard.runtime import get_world
+
+    s = _atoms()
+    atoms = s.to_ase()
+    atoms.calc = TwinshardCalculator(_potential(name))
+    return (
+        get_world().rank,
+        atoms.get_potential_energy(),
+        atoms.get_forces(),
+        atoms.get_potential_energies(),
+        atoms.get_stress(),
+    )
+
+
+@pytest.mark.parametrize("name", ["lj", "mpnn"])
+def test_distributed_calculator_equals_serial(name):
+    s = _atoms()
+    ref = evaluate(_potential(name), s)
+    out = run_on_world(_on_rank, 3, name)
+    assert [o[0] for o in out] == [0, 1, 2]
+    for _, energy, forces, energies, stress in out:
+        # energies are sums in another order: relative round-off, not bitwise
+        assert abs(energy - float(ref.energy)) <= 1e-12 * abs(float(ref.energy))
+        torch.testing.assert_close(torch.from_numpy(forces), ref.forces, rtol=0, atol=1e-10)
+        torch.testing.assert_close(torch.from_numpy(energies), ref.per_atom, rtol=0, atol=1e-12)
+        r = ref.stress
+        voigt = torch.stack([r[0, 0], r[1, 1], r[2, 2], r[1, 2], r[0, 2], r[0, 1]])
+        torch.testing.assert_close(torch.from_numpy(stress), voigt, rtol=0, atol=1e-10)
+    assert float(ref.forces.abs().max()) > 1e-3
