@@ -1,0 +1,114 @@
+"""A worked example of a twin: a residual pair MLP on tiles of z[N, N, c].
+
+Serial: ``PairMLP`` (z + linear_2(gelu(linear_1(z)))), applied to every (i, j) entry.
+Twin: the same module run on this rank's tile, its replicated parameters entered through
+``comm.sync_grad`` so their gradients are summed over the grid. This is the template the README's
+porting guide walks through, the twin the harness's negative controls plant bugs in, and the
+foundation section of ``twinshard demo``.
+
+Placements: z tile (r, c) = rows block r x cols block c (any N; blocks as even as possible)
+in and out; parameters replicated. Collectives: none forward; backward one all-reduce per
+parameter (in >= fp32). Memory saved per rank: the tile's activations, N^2 / P of serial.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twinshard import comm
+from twinshard.runtime import ProcessGrid
+from twinshard.testing.checks import TwinResult, parameter_signature
+from twinshard.testing.inputs import random_grad_output, synthetic
+
+BUGS = ("missing_grad_reduce", "transposed_tile", "replicated_input", "raise_on_rank_1")
+
+
+class PairMLP(nn.Module):
+    """Serial residual MLP over the channel dim of a pair tensor."""
+
+    def __init__(self, c: int, hidden: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(c, hidden, dtype=torch.float64)
+        self.linear_2 = nn.Linear(hidden, c, dtype=torch.float64)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z + self.linear_2(F.gelu(self.linear_1(z)))
+
+
+class TiledPairMLP(PairMLP):
+    """Twin of PairMLP on a rows x cols grid (same parameter names and order)."""
+
+    def __init__(self, c: int, hidden: int, grid: ProcessGrid, bug: str | None = None):
+        super().__init__(c, hidden)
+        self.grid, self.bug = grid, bug
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        p = {n: (w if self.bug == "missing_grad_reduce" else comm.sync_grad(w)) for n, w in self.named_parameters()}
+        h = F.gelu(F.linear(z, p["linear_1.weight"], p["linear_1.bias"]))
+        out = z + F.linear(h, p["linear_2.weight"], p["linear_2.bias"])
+        return out.transpose(0, 1) if self.bug == "transposed_tile" else out
+
+
+def blocks(n: int, parts: int) -> list[int]:
+    """Block sizes of n items over ``parts`` ranks, as even as possible (the first ones larger)."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def tile_of(z: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
+    """This rank's tile of a full z[N, N, ...] (a boundary helper for tests: slices, no comm)."""
+    r, c = grid.coords
+    rs, cs = blocks(z.shape[0], grid.rows), blocks(z.shape[1], grid.cols)
+    return z[sum(rs[:r]) : sum(rs[: r + 1]), sum(cs[:c]) : sum(cs[: c + 1])]
+
+
+def collect_tiles(t: torch.Tensor, grid: ProcessGrid, n: int) -> torch.Tensor:
+    """Gather tiles into the full z on every rank (all-gather along the row, then the column)."""
+    row = comm.all_gather(t, 1, grid.row_group, blocks(n, grid.cols))
+    return comm.all_gather(row, 0, grid.col_group, blocks(n, grid.rows))
+
+
+def run_example_twin(grid: ProcessGrid, n: int = 7, c: int = 4, hidden: int = 6, bug: str | None = None,
+                     zero_param: bool = False) -> TwinResult:
+    """One rank's side of the example parity test (the serial inputs are rebuilt from seeds)."""
+    torch.manual_seed(0)
+    model = TiledPairMLP(c, hidden, grid, bug)
+    if zero_param:
+        with torch.no_grad():
+            model.linear_2.weight.zero_()
+    z = synthetic(n, n, c, seed=1)
+    gy = random_grad_output((n, n, c), seed=2)
+    if bug == "raise_on_rank_1" and grid.rank == 1:
+        raise ValueError("planted failure on rank 1 before the first collective")
+    zt = (z if bug == "replicated_input" else tile_of(z, grid)).clone().requires_grad_(True)
+    y = model(zt)
+    if bug == "replicated_input":
+        y_full = y
+    else:
+        y_full = collect_tiles(y, grid, n)
+    y.backward(gy if bug == "replicated_input" else tile_of(gy, grid))
+    gz = zt.grad if bug == "replicated_input" else collect_tiles(zt.grad, grid, n)
+    return TwinResult(
+        out=y_full.detach(),
+        grads_in={"z": gz},
+        param_grads={k: v.grad for k, v in model.named_parameters()},
+        shards={"z": zt.detach()},
+        params=parameter_signature(model),
+    )
+
+
+def serial_example(n: int = 7, c: int = 4, hidden: int = 6, zero_param: bool = False,
+                   uniform_grad: bool = False) -> dict:
+    """The serial run of the example: module, output, input and parameter gradients, grad_output."""
+    torch.manual_seed(0)
+    model = PairMLP(c, hidden)
+    if zero_param:
+        with torch.no_grad():
+            model.linear_2.weight.zero_()
+    z = synthetic(n, n, c, seed=1).requires_grad_(True)
+    gy = torch.ones(n, n, c, dtype=torch.float64) if uniform_grad else random_grad_output((n, n, c), seed=2)
+    y = model(z)
+    y.backward(gy)
+    return {"serial_module": model, "serial_out": y.detach(), "serial_grads_in": {"z": z.grad},
+            "serial_param_grads": {k: v.grad for k, v in model.named_parameters()}, "grad_output": gy}
