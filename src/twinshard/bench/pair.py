@@ -1,0 +1,327 @@
+"""``twinshard bench pair``: CP triangle multiplication / outer product mean against serial.
+
+Runs the serial module and its CP twin forward + backward on the same synthetic
+features (random pair or MSA, random masked entries, padding when N does not divide
+the grid) and prints one JSON object (the last stdout line) with the parity errors,
+the memory saved for backward and the peak memory (per rank and serial), and the
+forward communication per rank from the CommLedger beside the 2-D lower bound.
+
+Measurements (per rank, forward + backward of one call):
+- ``saved_bytes``: bytes of the distinct storages packed by
+  ``torch.autograd.graph.saved_tensors_hooks`` during the forward (parameters and
+  their synced copies included, the same rule for serial and CP);
+- ``peak_memory_bytes``: on CUDA, ``max_memory_allocated`` above the starting level;
+  on CPU, the peak of the running sum of allocator events recorded by the profiler;
+- ``comm_bytes``: ``max(bytes_sent, bytes_recv)`` of the forward's ledger; the
+  backward's is reported separately. ``comm_lower_bound_bytes`` is
+  ``2 B N^2 h / sqrt(P)`` elements for a triangle multiplication (h = channels of the
+  contracted ``a``/``b``) and the analogous ``2 B S N h / sqrt(P)`` for the outer
+  product mean (its operands are the S x N MSA projections).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from twinshard.comm import CommLedger
+from twinshard.runtime import get_world, make_grid, shared_pool
+
+__all__ = ["OPS", "add_parser", "bench_rank", "measure", "parse_grid", "run"]
+
+OPS = ("trimul-out", "trimul-in", "opm")
+
+
+def parse_grid(text: str) -> tuple[int, int]:
+    try:
+        r, c = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"grid must look like RxC (e.g. 2x2), got {text!r}") from None
+    if r < 1 or c < 1:
+        raise ValueError(f"grid sizes must be positive, got {text!r}")
+    return r, c
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``pair`` under ``twinshard bench``."""
+    p = subparsers.add_parser("pair", help="CP triangle multiplication / outer product mean vs serial")
+    p.add_argument("--op", choices=OPS, default="trimul-out")
+    p.add_argument("--tokens", type=int, default=24, help="N (any value; padded internally)")
+    p.add_argument("--grid", default="2x2", help="rows x cols process grid, e.g. 2x2, 2x3")
+    p.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    p.add_argument("--channels", type=int, default=8, help="pair channels (trimul) / MSA channels")
+    p.add_argument("--hidden", type=int, default=8, help="channels of a and b")
+    p.add_argument("--sequences", type=int, default=6, help="MSA depth S (opm)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print only the JSON line")
+    p.set_defaults(func=run)
+    return p
+
+
+# -- measurement -------------------------------------------------------------------------------
+
+
+def _peak_cpu(fn: Callable[[], Any]) -> tuple[Any, int | None]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    try:
+        evs = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        )
+    except (AttributeError, RuntimeError):  # private profiler API moved: report no figure
+        return out, None
+    cur = peak = 0
+    for _, b in evs:
+        cur += b
+        peak = max(peak, cur)
+    return out, peak
+
+
+def measure(
+    forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None], device: torch.device
+) -> dict[str, Any]:
+    """Saved-for-backward bytes, peak bytes and wall time of ``backward(forward())``."""
+    storages: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        storages[(s.data_ptr(), s.nbytes())] = s.nbytes()
+        return t
+
+    def step() -> None:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forward()
+        backward(out)
+
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        _, peak = _peak_cpu(step)
+    return {"saved_bytes": sum(storages.values()), "peak_bytes": peak, "seconds": time.perf_counter() - t0}
+
+
+# -- one rank ----------------------------------------------------------------------------------
+
+
+def _build(
+    op: str, channels: int, hidden: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    from twinshard.pair.layers.outer_product import CPOuterProductMean
+    from twinshard.pair.layers.triangle import CPTriangleMultiplication
+    from twinshard.pair.reference.outer_product import OuterProductMean
+    from twinshard.pair.reference.triangle import TriangleMultiplication
+
+    if op == "opm":
+        serial, cp = (
+            OuterProductMean(channels, hidden, channels),
+            CPOuterProductMean(channels, hidden, channels),
+        )
+    else:
+        direction = "outgoing" if op == "trimul-out" else "incoming"
+        serial = TriangleMultiplication(channels, direction, hidden)
+        cp = CPTriangleMultiplication(channels, direction, hidden)
+    serial = serial.to(dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # AF3 zero inits would make most gradients vanish: randomise all
+        for p in serial.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype) * 0.5 + 0.1)
+    cp = cp.to(dtype)
+    cp.load_state_dict(serial.state_dict())
+    return serial, cp
+
+
+def _inputs(
+    op: str, batch: int, tokens: int, seqs: int, channels: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lead = (batch, seqs, tokens) if op == "opm" else (batch, tokens, tokens)
+    x = torch.randn(*lead, channels, generator=g, dtype=torch.float64).to(dtype)
+    mask = (torch.rand(*lead, generator=g) > 0.15).to(dtype)
+    gout = torch.randn(batch, tokens, tokens, channels, generator=g, dtype=torch.float64).to(dtype)
+    return x, mask, gout
+
+
+def bench_rank(
+    op: str,
+    tokens: int,
+    grid_shape: tuple[int, int],
+    dtype_name: str = "float64",
+    channels: int = 8,
+    hidden: int = 8,
+    sequences: int = 6,
+    batch: int = 1,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run on every rank of a world of rows x cols ranks; returns this rank's figures."""
+    from twinshard.tensors.dtensor import (
+        MSA,
+        PAIR,
+        from_local,
+        local_block,
+        pad_dim,
+        padded_sequences,
+        padded_tokens,
+    )
+
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    dtype = getattr(torch, dtype_name)
+    grid = make_grid(tuple(grid_shape))
+    device = get_world().device
+    serial, cp = _build(op, channels, hidden, dtype, seed)
+    serial, cp = serial.to(device), cp.to(device)
+    x, mask, gout = (t.to(device) for t in _inputs(op, batch, tokens, sequences, channels, dtype, seed))
+    npad = padded_tokens(tokens, grid)
+    spad = padded_sequences(sequences, grid) if op == "opm" else npad
+    place = MSA if op == "opm" else PAIR
+
+    def pad(t: torch.Tensor, d1: int) -> torch.Tensor:
+        return pad_dim(pad_dim(t, 1, d1), 2, npad)
+
+    # serial
+    xs = x.clone().requires_grad_(True)
+    held: list[torch.Tensor] = []
+
+    def ser_fwd() -> torch.Tensor:
+        held.append(serial(xs, mask))
+        return held[-1]
+
+    ser = measure(ser_fwd, lambda o: o.backward(gout), device)
+    out_serial = held.pop().detach()
+
+    # CP: the padded inputs' tiles; padding is masked out and its grad_output is zero
+    xl = local_block(pad(x, spad), grid, place).requires_grad_(True)
+    ml = local_block(pad(mask, spad), grid, place)
+    gl = local_block(pad(gout, npad), grid, PAIR)
+    xd, md = from_local(xl, grid, place), from_local(ml, grid, place)
+    fwd_ledger, bwd_ledger = CommLedger(), CommLedger()
+
+    def cp_fwd() -> torch.Tensor:
+        with fwd_ledger:
+            held.append(cp(xd, md))
+        return held[-1]
+
+    def cp_bwd(o: torch.Tensor) -> None:
+        with bwd_ledger:
+            o.to_local().backward(gl)
+
+    cpm = measure(cp_fwd, cp_bwd, device)
+    out_cp = held.pop().full_tensor()[:, :tokens, :tokens]
+    gin_cp = from_local(xl.grad, grid, place).full_tensor()[
+        :, : (sequences if op == "opm" else tokens), :tokens
+    ]
+    err_out = (out_cp - out_serial).abs().max().item()
+    err_in = (gin_cp - xs.grad).abs().max().item()
+    err_par = max((a.grad - b.grad).abs().max().item() for a, b in zip(serial.parameters(), cp.parameters()))
+    f, b_ = fwd_ledger.summary(), bwd_ledger.summary()
+    return {
+        "err_out": err_out,
+        "err_in": err_in,
+        "err_par": err_par,
+        "saved": cpm["saved_bytes"],
+        "peak": cpm["peak_bytes"],
+        "seconds": cpm["seconds"],
+        "serial_saved": ser["saved_bytes"],
+        "serial_peak": ser["peak_bytes"],
+        "serial_seconds": ser["seconds"],
+        "comm_fwd": max(f["bytes_sent"], f["bytes_recv"]),
+        "comm_fwd_sent": f["bytes_sent"],
+        "comm_fwd_recv": f["bytes_recv"],
+        "comm_bwd": max(b_["bytes_sent"], b_["bytes_recv"]),
+        "ledger_forward": f,
+        "ledger_backward": b_,
+        "padded_tokens": npad,
+    }
+
+
+def _summarise(
+    op: str, tokens: int, shape: tuple[int, int], a: argparse.Namespace, ranks: list[dict[str, Any]]
+) -> dict[str, Any]:
+    P = shape[0] * shape[1]
+    item = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
+    if op == "opm":
+        lower = 2 * a.batch * a.sequences * tokens * a.hidden / math.sqrt(P) * item
+    else:
+        lower = 2 * a.batch * tokens * tokens * a.hidden / math.sqrt(P) * item
+    r0 = ranks[0]
+    saved = [r["saved"] for r in ranks]
+    comm = [r["comm_fwd"] for r in ranks]
+    return {
+        "op": op,
+        "grid": f"{shape[0]}x{shape[1]}",
+        "tokens": tokens,
+        "dtype": a.dtype,
+        "padded_tokens": r0["padded_tokens"],
+        "channels": a.channels,
+        "hidden": a.hidden,
+        "sequences": a.sequences if op == "opm" else None,
+        "batch": a.batch,
+        "schedule": "serial" if P == 1 else ("cannon" if shape[0] == shape[1] else "summa"),
+        "max_abs_error_out": max(r["err_out"] for r in ranks),
+        "max_abs_error_grad_inputs": max(r["err_in"] for r in ranks),
+        "max_abs_error_grad_params": max(r["err_par"] for r in ranks),
+        "saved_bytes_per_rank": saved,
+        "serial_saved_bytes": r0["serial_saved"],
+        "saved_ratio_vs_serial_over_p": max(saved) / (r0["serial_saved"] / P),
+        "peak_memory_bytes_per_rank": [r["peak"] for r in ranks],
+        "serial_peak_memory_bytes": r0["serial_peak"],
+        "comm_bytes_per_rank": comm,
+        "comm_bytes_sent_per_rank": [r["comm_fwd_sent"] for r in ranks],
+        "comm_bytes_recv_per_rank": [r["comm_fwd_recv"] for r in ranks],
+        "comm_backward_bytes_per_rank": [r["comm_bwd"] for r in ranks],
+        "comm_lower_bound_bytes": lower,
+        "comm_ratio_vs_lower_bound": max(comm) / lower if P > 1 else 0.0,
+        "seconds_per_rank": [r["seconds"] for r in ranks],
+        "serial_seconds": r0["serial_seconds"],
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark (spawning rows x cols local ranks unless already in such a world)."""
+    shape = parse_grid(args.grid)
+    if args.op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {args.op!r}")
+    if args.tokens < 1 or args.sequences < 1 or args.batch < 1:
+        raise ValueError("tokens, sequences and batch must be positive")
+    call = (
+        args.op,
+        args.tokens,
+        shape,
+        args.dtype,
+        args.channels,
+        args.hidden,
+        args.sequences,
+        args.batch,
+        args.seed,
+    )
+    world = get_world()
+    if world is not None and world.size == shape[0] * shape[1]:
+        mine = bench_rank(*call)
+        ranks: list[Any] = [None] * world.size
+        torch.distributed.all_gather_object(ranks, mine)  # bookkeeping, outside every ledger
+    else:
+        ranks = shared_pool().run(bench_rank, shape[0] * shape[1], *call)
+    result = _summarise(args.op, args.tokens, shape, args, ranks)
+    if not getattr(args, "json", False):
+        for k, v in result.items():
+            if not isinstance(v, list):
+                print(f"{k:32s} {v}")
+    print(json.dumps(result))
+    return result
