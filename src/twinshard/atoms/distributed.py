@@ -30,7 +30,8 @@ receiver edges), i.e. ~(N/P + halo) / N of the serial graph; nothing scales with
 Stress: a symmetric strain leaf ``eps`` is applied to the whole padded block
 (``x -> x (I + eps)``; halo rows carry their lattice image, so this strains the
 cell too); ``dE/deps`` is summed over ranks. ``stress = (dE/deps) / V`` (ASE's
-sign: positive is tensile) for fully periodic cells, ``virial = -dE/deps``.
+sign: positive is tensile) for any cell with a volume (as the serial evaluator),
+``virial = -dE/deps`` always.
 """
 
 from __future__ import annotations
@@ -76,9 +77,7 @@ class DistributedPotential:
 
     def __init__(self, potential: nn.Module) -> None:
         if not hasattr(potential, "cutoff"):
-            raise TypeError(
-                "the potential must have a float attribute `cutoff` (see potentials.base)"
-            )
+            raise TypeError("the potential must have a float attribute `cutoff` (see potentials.base)")
         self.module = potential
 
     @property
@@ -154,18 +153,15 @@ class DistributedPotential:
         if compute_stress:
             dstrain = grads[1] if grads[1] is not None else torch.zeros_like(strain)
         packed = torch.cat(
-            [e_local.detach().reshape(1)]
-            + ([dstrain.detach().reshape(9)] if dstrain is not None else [])
+            [e_local.detach().reshape(1)] + ([dstrain.detach().reshape(9)] if dstrain is not None else [])
         )
-        total = prim.all_reduce(
-            packed.to(prim.reduce_dtype(dtype)), sharded.group, op="potential"
-        ).to(dtype)
+        total = prim.all_reduce(packed.to(prim.reduce_dtype(dtype)), sharded.group, op="potential").to(dtype)
         energy = total[0]
         virial = stress = None
         if dstrain is not None:
             de = total[1:].reshape(3, 3)
             virial = -de
-            if bool(sharded.pbc.all()) and sharded.volume > 0:
+            if sharded.volume > 0:
                 stress = de / sharded.volume
         if not create_graph:
             per_atom, forces = per_atom.detach(), forces.detach()
