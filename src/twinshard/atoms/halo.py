@@ -59,9 +59,7 @@ def frame_coordinates(
     return frac + shift.to(frac.dtype), shift
 
 
-def rank_box(
-    frac_frame: torch.Tensor, region: tuple[torch.Tensor, torch.Tensor] | None
-) -> torch.Tensor:
+def rank_box(frac_frame: torch.Tensor, region: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """``[2, 3]`` box (lo; hi): the region joined with the bounding box of the owned atoms.
 
     An empty box (no region, no atoms) is ``lo = +inf, hi = -inf``.
@@ -121,9 +119,7 @@ def _borders_itself(box: torch.Tensor, margin: torch.Tensor, pbc: tuple[bool, bo
     """A non-zero lattice image of the box comes within the margin along some periodic axis."""
     if _empty(box):
         return False
-    return any(
-        pbc[a] and float(box[1, a] - box[0, a]) + 2 * float(margin[a]) >= 1.0 for a in range(3)
-    )
+    return any(pbc[a] and float(box[1, a] - box[0, a]) + 2 * float(margin[a]) >= 1.0 for a in range(3))
 
 
 def select_ghosts(
@@ -259,10 +255,7 @@ class HaloPlan:
             send_shift[q] = s + owned_shift[idx]
         gpeer = [_global(group, q) for q in peers]
         counts = _exchange(
-            [
-                (gp, torch.tensor([send_idx[q].numel()], dtype=torch.int64))
-                for q, gp in zip(peers, gpeer)
-            ],
+            [(gp, torch.tensor([send_idx[q].numel()], dtype=torch.int64)) for q, gp in zip(peers, gpeer)],
             [(gp, (1,)) for gp in gpeer],
             torch.int64,
             "halo_plan",
@@ -324,15 +317,9 @@ class HaloPlan:
     def _forward_raw(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach()
         tail = tuple(x.shape[1:])
-        sends = [
-            (self.global_peers[q], x[self.send_idx[q]])
-            for q in self.peers
-            if self.send_idx[q].numel()
-        ]
+        sends = [(self.global_peers[q], x[self.send_idx[q]]) for q in self.peers if self.send_idx[q].numel()]
         recvs = [
-            (self.global_peers[q], (self.recv_counts[q],) + tail)
-            for q in self.peers
-            if self.recv_counts[q]
+            (self.global_peers[q], (self.recv_counts[q],) + tail) for q in self.peers if self.recv_counts[q]
         ]
         got = _exchange(sends, recvs, x.dtype, "halo_forward")
         if not got:

@@ -171,13 +171,9 @@ class ShardedSystem:
             if me == src:
                 system = _as_system(source, dtype)
                 part = _make_partition(system, partition, nranks, cutoff + skin, grid)
-                schema = [
-                    (k, getattr(system, k).dtype, tuple(getattr(system, k).shape[1:]))
-                    for k in _CORE
-                ]
+                schema = [(k, getattr(system, k).dtype, tuple(getattr(system, k).shape[1:])) for k in _CORE]
                 schema += [
-                    (f"arrays.{k}", v.dtype, tuple(v.shape[1:]))
-                    for k, v in sorted(system.arrays.items())
+                    (f"arrays.{k}", v.dtype, tuple(v.shape[1:])) for k, v in sorted(system.arrays.items())
                 ]
                 header = {
                     "n": system.n_atoms,
@@ -188,9 +184,7 @@ class ShardedSystem:
                     "partition": part,
                 }
                 payload = pickle.dumps(header)
-        length = prim.broadcast(
-            torch.tensor([len(payload)], dtype=torch.int64), src, group, op="scatter"
-        )
+        length = prim.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src, group, op="scatter")
         raw = (
             torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             if me == src
@@ -211,9 +205,7 @@ class ShardedSystem:
                 if isinstance(self.partition, BlockPartition)
                 else system.ids[order]
             )
-            owners = self.partition.owner_of(
-                self.partition.fractional(system.positions[order]), keys
-            )
+            owners = self.partition.owner_of(self.partition.fractional(system.positions[order]), keys)
             order = order[torch.sort(owners, stable=True).indices]
             counts = torch.bincount(owners, minlength=nranks).to(torch.int64)
             fields = {name: self._field_of(system, name)[order] for name, _, _ in self._schema}
@@ -345,9 +337,7 @@ class ShardedSystem:
         d = (self.positions.detach() - self._ref).norm(dim=1)
         local = float(d.max()) if d.numel() else 0.0
         bad = int((~torch.isfinite(self.positions.detach()).all(1)).sum())
-        stats = torch.tensor(
-            [[local if math.isfinite(local) else math.inf, float(bad)]], dtype=torch.float64
-        )
+        stats = torch.tensor([[local if math.isfinite(local) else math.inf, float(bad)]], dtype=torch.float64)
         allstats = prim.all_gather(stats, 0, self.group, op="update")
         if bool((allstats[:, 1] > 0).any()):
             where = {r: int(allstats[r, 1]) for r in range(self.nranks) if allstats[r, 1] > 0}
@@ -381,16 +371,12 @@ class ShardedSystem:
         order = torch.sort(dest, stable=True).indices
         send = torch.bincount(dest, minlength=self.nranks).to(torch.int64)
         recv = prim.all_to_all(send, [1] * self.nranks, [1] * self.nranks, self.group, op="migrate")
-        moved = prim.all_reduce(
-            torch.tensor([int(self.n_owned - send[self.rank])]), self.group, op="migrate"
-        )
+        moved = prim.all_reduce(torch.tensor([int(self.n_owned - send[self.rank])]), self.group, op="migrate")
         self.migrations += int(moved[0])
         if int(moved[0]) == 0:
             return
         s, r = send.tolist(), recv.tolist()
-        self._set_fields(
-            {n: _a2a(t[order], s, r, self.group, "migrate") for n, t in self._fields().items()}
-        )
+        self._set_fields({n: _a2a(t[order], s, r, self.group, "migrate") for n, t in self._fields().items()})
 
     def _build(self) -> None:
         part = self.partition
@@ -438,9 +424,7 @@ def _a2a(
     return prim.all_to_all(t.contiguous(), send, recv, group, op=op)
 
 
-def _gather_rows(
-    t: torch.Tensor, counts: list[int], group: dist.ProcessGroup | None
-) -> torch.Tensor:
+def _gather_rows(t: torch.Tensor, counts: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
     if t.dtype == torch.bool:
         return prim.all_gather(t.to(torch.uint8), 0, group, counts, op="gather").to(torch.bool)
     return prim.all_gather(t.contiguous(), 0, group, counts, op="gather")
