@@ -45,7 +45,9 @@ def _world_ops(n_unused=None):
         rows = {(r + 1) % n: r + 1}
     src_rows = {}
     for s in range(n):
-        for d, k in ({(s + 1) % n: s + 1, (s + 2) % n: 2} if (s + 1) % n != (s + 2) % n else {(s + 1) % n: s + 1}).items():
+        for d, k in (
+            {(s + 1) % n: s + 1, (s + 2) % n: 2} if (s + 1) % n != (s + 2) % n else {(s + 1) % n: s + 1}
+        ).items():
             if d == r:
                 src_rows[s] = k
     xe = _rand(sum(rows[p] for p in peers), 3, seed=600 + r)
@@ -78,7 +80,9 @@ def test_world_ops_are_adjoint(grid):
     (n,) = grid
     res = run_on_world(_world_ops, n)
     for op, (lhs, rhs) in res[0].items():
-        assert lhs == pytest.approx(rhs, rel=1e-12, abs=1e-12), f"{op} on {n} ranks is not adjoint: {lhs} vs {rhs}"
+        assert lhs == pytest.approx(rhs, rel=1e-12, abs=1e-12), (
+            f"{op} on {n} ranks is not adjoint: {lhs} vs {rhs}"
+        )
     for r in res[1:]:  # the sums were all-reduced: identical everywhere
         assert r == res[0]
 
@@ -88,15 +92,23 @@ def _grid_ops(grid):
     out = {}
     for axis in ("rows", "cols"):
         for k in (1, 2, -1):
-            out[f"ring_shift {axis} {k}"] = _pair(lambda t: comm.ring_shift(t, grid, axis, k), _rand(2, 3, seed=10 + r), 20 + r)
+            out[f"ring_shift {axis} {k}"] = _pair(
+                lambda t: comm.ring_shift(t, grid, axis, k), _rand(2, 3, seed=10 + r), 20 + r
+            )
     if grid.rows == grid.cols:
-        out["grid_transpose"] = _pair(lambda t: comm.grid_transpose(t, grid), _rand(2, 2, seed=30 + r), 40 + r)
+        out["grid_transpose"] = _pair(
+            lambda t: comm.grid_transpose(t, grid), _rand(2, 2, seed=30 + r), 40 + r
+        )
     sizes = [i + 1 for i in range(grid.cols)]
     out["all_gather row"] = _pair(
-        lambda t: comm.all_gather(t, 0, grid.row_group, sizes), _rand(sizes[grid.coords[1]], 2, seed=50 + r), 60 + r
+        lambda t: comm.all_gather(t, 0, grid.row_group, sizes),
+        _rand(sizes[grid.coords[1]], 2, seed=50 + r),
+        60 + r,
     )
     csz = [2 * i + 1 for i in range(grid.rows)]
-    out["reduce_scatter col"] = _pair(lambda t: comm.reduce_scatter(t, 1, grid.col_group, csz), _rand(2, sum(csz), seed=70 + r), 80 + r)
+    out["reduce_scatter col"] = _pair(
+        lambda t: comm.reduce_scatter(t, 1, grid.col_group, csz), _rand(2, sum(csz), seed=70 + r), 80 + r
+    )
     out["all_reduce row"] = _pair(lambda t: comm.all_reduce(t, grid.row_group), _rand(4, seed=90 + r), 95 + r)
     return out
 
@@ -106,7 +118,9 @@ def test_grid_ops_are_adjoint(grid):
     res = run_on_grid(_grid_ops, grid)
     assert ("grid_transpose" in res[0]) == (grid[0] == grid[1])
     for op, (lhs, rhs) in res[0].items():
-        assert lhs == pytest.approx(rhs, rel=1e-12, abs=1e-12), f"{op} on {grid} is not adjoint: {lhs} vs {rhs}"
+        assert lhs == pytest.approx(rhs, rel=1e-12, abs=1e-12), (
+            f"{op} on {grid} is not adjoint: {lhs} vs {rhs}"
+        )
 
 
 def _ring_values(grid):

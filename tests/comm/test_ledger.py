@@ -52,5 +52,5 @@ def test_ledger_bytes_match_analytic_sizes():
 
 
 def test_one_rank_groups_issue_nothing():
-    (got, expect, calls), = run_on_grid(_ops, (1, 1))
+    ((got, expect, calls),) = run_on_grid(_ops, (1, 1))
     assert got == {}

@@ -20,13 +20,19 @@ def test_example_twin_matches_serial(grid):
 
 def _check(grid, bug=None, zero=False, uniform=False, n=7):
     ranks = run_on_grid(run_example_twin, grid, n=n, bug=bug, zero_param=zero)
-    check_twin(what="pair MLP", grid=grid_id(grid), ranks=ranks,
-               **serial_example(n=n, zero_param=zero, uniform_grad=uniform))
+    check_twin(
+        what="pair MLP",
+        grid=grid_id(grid),
+        ranks=ranks,
+        **serial_example(n=n, zero_param=zero, uniform_grad=uniform),
+    )
 
 
 # Negative controls: each planted bug must make the harness fail with the right message.
 def test_negative_missing_gradient_all_reduce():
-    with pytest.raises(AssertionError, match=r"parameter gradients\[linear_1.weight\] is not replicated.*missing all-reduce"):
+    with pytest.raises(
+        AssertionError, match=r"parameter gradients\[linear_1.weight\] is not replicated.*missing all-reduce"
+    ):
         _check((2, 2), bug="missing_grad_reduce")
 
 
@@ -47,12 +53,16 @@ def test_negative_uniform_grad_output():
 
 
 def test_negative_all_zero_parameter():
-    with pytest.raises(AssertionError, match=r"parameter linear_2.weight is all zeros.*perturb_zero_parameters"):
+    with pytest.raises(
+        AssertionError, match=r"parameter linear_2.weight is all zeros.*perturb_zero_parameters"
+    ):
         _check((2, 2), zero=True)
 
 
 def test_negative_sharded_tensor_identical_on_every_rank():
-    with pytest.raises(AssertionError, match=r"pair MLP: z is not sharded: every one of the 4 ranks holds the same"):
+    with pytest.raises(
+        AssertionError, match=r"pair MLP: z is not sharded: every one of the 4 ranks holds the same"
+    ):
         _check((2, 2), bug="replicated_input")
 
 

@@ -15,9 +15,16 @@ class RankFailure(RuntimeError):
     that were still blocked (and were stopped) when the failure was detected.
     """
 
-    def __init__(self, failures: dict[int, str], stuck: tuple[int, ...] = (), step: str | None = None):
+    def __init__(
+        self,
+        failures: dict[int, str],
+        stuck: tuple[int, ...] = (),
+        step: str | None = None,
+        finished: tuple[int, ...] = (),
+    ):
         self.failures = dict(failures)
         self.stuck = tuple(sorted(stuck))
+        self.finished = tuple(sorted(finished))
         self.step = step
         first = self.rank = next(iter(self.failures))
         where = f" in step {step!r}" if step else ""
@@ -31,9 +38,14 @@ class RankFailure(RuntimeError):
         ]
         if self.stuck:
             lines.append(f"ranks {list(self.stuck)} were stuck (in a collective or busy) and were stopped")
+        if self.finished:
+            lines.append(
+                f"ranks {list(self.finished)} finished normally: a rank that skips a collective "
+                "its peers enter leaves them waiting until the timeout"
+            )
         lines.append(f"--- traceback of rank {first} ---")
         lines.append(self.failures[first].rstrip())
         super().__init__("\n".join(lines))
 
     def __reduce__(self):  # picklable across processes
-        return (RankFailure, (self.failures, self.stuck, self.step))
+        return (RankFailure, (self.failures, self.stuck, self.step, self.finished))

@@ -150,16 +150,16 @@ class WorkerPool:
         msg = pickle.dumps((list(sys.path), job))
         for i in range(nprocs):
             self._conns[i].send_bytes(msg)
-        outs, failures = self._collect(nprocs, timeout)
-        stuck = tuple(r for r in range(nprocs) if r not in outs and r not in failures)
-        for r in stuck:
+        outs, failures, silent = self._collect(nprocs, timeout)
+        stuck = tuple(sorted(silent))
+        for r in stuck:  # still running the job: unusable until replaced
             self._stop(r)
         if failures:
             self._world = None
-            raise_failures(failures, stuck)
+            raise_failures(failures, stuck, tuple(sorted(outs)))
         return [outs[r] for r in range(nprocs)]
 
-    def _collect(self, n: int, timeout: float) -> tuple[dict[int, Any], dict[int, Any]]:
+    def _collect(self, n: int, timeout: float) -> tuple[dict[int, Any], dict[int, Any], set[int]]:
         outs: dict[int, Any] = {}
         failures: dict[int, Any] = {}
         deadline = time.monotonic() + timeout + FAILURE_GRACE
@@ -173,21 +173,24 @@ class WorkerPool:
                         f"no result from ranks {ranks} after {timeout:g} s: a deadlock, or a rank that "
                         "never reached a collective its peers entered"
                     )
-                    failures = {ranks[0]: failures[ranks[0]]}
                 break
             for conn in wait(list(pending), timeout=min(0.5, deadline - now)):
-                i = pending.pop(conn)
+                i = pending[conn]
                 try:
                     jid, ok, payload = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
-                    ok, payload = False, f"rank {i} process died (exit code {self._procs[i].exitcode})"
+                    jid, ok = self._jid, False
+                    payload = f"rank {i} process died (exit code {self._procs[i].exitcode})"
                     self._world = None
+                if jid not in (self._jid, -1):
+                    continue  # a late answer to an earlier job
+                del pending[conn]
                 if ok:
                     outs[i] = payload
                 else:
                     failures[i] = payload
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
-        return outs, failures
+        return outs, failures, set(pending.values())
 
     def close(self) -> None:
         for c in self._conns:

@@ -154,11 +154,13 @@ def failure_payload(exc: BaseException) -> str | RankFailure:
     return exc if isinstance(exc, RankFailure) else format_exception(exc)
 
 
-def raise_failures(failures: dict[int, str | RankFailure], stuck: tuple[int, ...]) -> None:
+def raise_failures(
+    failures: dict[int, str | RankFailure], stuck: tuple[int, ...], finished: tuple[int, ...] = ()
+) -> None:
     """Raise one RankFailure for a failed run: an agreed failure if any rank reported one, else the
     failures in arrival order (the first to arrive is the origin; the others are usually broken
     collectives caused by it)."""
     for payload in failures.values():
         if isinstance(payload, RankFailure):
             raise RankFailure(payload.failures, stuck=stuck, step=payload.step)
-    raise RankFailure({r: str(tb) for r, tb in failures.items()}, stuck=stuck)
+    raise RankFailure({r: str(tb) for r, tb in failures.items()}, stuck=stuck, finished=finished)

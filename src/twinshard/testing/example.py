@@ -45,7 +45,10 @@ class TiledPairMLP(PairMLP):
         self.grid, self.bug = grid, bug
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        p = {n: (w if self.bug == "missing_grad_reduce" else comm.sync_grad(w)) for n, w in self.named_parameters()}
+        p = {
+            n: (w if self.bug == "missing_grad_reduce" else comm.sync_grad(w))
+            for n, w in self.named_parameters()
+        }
         h = F.gelu(F.linear(z, p["linear_1.weight"], p["linear_1.bias"]))
         out = z + F.linear(h, p["linear_2.weight"], p["linear_2.bias"])
         return out.transpose(0, 1) if self.bug == "transposed_tile" else out
@@ -69,8 +72,14 @@ def collect_tiles(t: torch.Tensor, grid: ProcessGrid, n: int) -> torch.Tensor:
     return comm.all_gather(row, 0, grid.col_group, blocks(n, grid.rows))
 
 
-def run_example_twin(grid: ProcessGrid, n: int = 7, c: int = 4, hidden: int = 6, bug: str | None = None,
-                     zero_param: bool = False) -> TwinResult:
+def run_example_twin(
+    grid: ProcessGrid,
+    n: int = 7,
+    c: int = 4,
+    hidden: int = 6,
+    bug: str | None = None,
+    zero_param: bool = False,
+) -> TwinResult:
     """One rank's side of the example parity test (the serial inputs are rebuilt from seeds)."""
     torch.manual_seed(0)
     model = TiledPairMLP(c, hidden, grid, bug)
@@ -98,8 +107,9 @@ def run_example_twin(grid: ProcessGrid, n: int = 7, c: int = 4, hidden: int = 6,
     )
 
 
-def serial_example(n: int = 7, c: int = 4, hidden: int = 6, zero_param: bool = False,
-                   uniform_grad: bool = False) -> dict:
+def serial_example(
+    n: int = 7, c: int = 4, hidden: int = 6, zero_param: bool = False, uniform_grad: bool = False
+) -> dict:
     """The serial run of the example: module, output, input and parameter gradients, grad_output."""
     torch.manual_seed(0)
     model = PairMLP(c, hidden)
@@ -110,5 +120,10 @@ def serial_example(n: int = 7, c: int = 4, hidden: int = 6, zero_param: bool = F
     gy = torch.ones(n, n, c, dtype=torch.float64) if uniform_grad else random_grad_output((n, n, c), seed=2)
     y = model(z)
     y.backward(gy)
-    return {"serial_module": model, "serial_out": y.detach(), "serial_grads_in": {"z": z.grad},
-            "serial_param_grads": {k: v.grad for k, v in model.named_parameters()}, "grad_output": gy}
+    return {
+        "serial_module": model,
+        "serial_out": y.detach(),
+        "serial_grads_in": {"z": z.grad},
+        "serial_param_grads": {k: v.grad for k, v in model.named_parameters()},
+        "grad_output": gy,
+    }
