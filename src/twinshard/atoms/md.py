@@ -185,8 +185,9 @@ class Engine(Protocol):
     rank: int
     n_atoms: int  # global
 
-    def set_state(self, positions: torch.Tensor, velocities: torch.Tensor) -> None:
-        """Store integrated state (distributed: may migrate atoms between ranks)."""
+    def set_state(self, positions: torch.Tensor, velocities: torch.Tensor, moved: bool) -> None:
+        """Store the integrated state; ``moved``: positions changed (distributed: then a
+        collective update that may migrate atoms between ranks and reorder the rows)."""
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(total potential energy, forces on the local atoms in the local order)."""
@@ -218,7 +219,7 @@ class SerialEngine:
     def rebuilds(self) -> int:
         return self.verlet.n_builds
 
-    def set_state(self, positions: torch.Tensor, velocities: torch.Tensor) -> None:
+    def set_state(self, positions: torch.Tensor, velocities: torch.Tensor, moved: bool) -> None:
         self.system.positions = positions
         self.system.velocities = velocities
 
@@ -322,10 +323,10 @@ def simulate(
         x, v, heat = integrator.first(
             engine.positions, engine.velocities, forces, engine.masses, engine.ids, step
         )
-        engine.set_state(x, v)
+        engine.set_state(x, v, moved=True)
         energy, forces = engine.compute()
         v, heat2 = integrator.second(engine.velocities, forces, engine.masses, engine.ids, step)
-        engine.set_state(engine.positions, v)
+        engine.set_state(engine.positions, v, moved=False)
         if integrator.thermostat:
             heat_total = heat_total + engine.reduce_sum(heat + heat2)
         if step % thermo_every == 0 or step == steps:

@@ -1,0 +1,127 @@
+"""The MD driver: 4-rank trajectories equal serial ones; `twinshard md --json`; clear errors.
+
+Bounds are the issue's: energy relative error <= 1e-12, forces and stress <= 1e-10 (max abs),
+positions after 200 steps <= 1e-9 A.
+"""
+
+import argparse
+import json
+
+import pytest
+
+from twinshard.atoms.driver import MDConfig, add_md_parser, md_rank, result_keys, run_md
+from twinshard.atoms.io import write
+from twinshard.atoms.structures import random_packing
+from twinshard.runtime import RankFailure
+from twinshard.testing import run_on_world
+
+# a small hot liquid: atoms cross subdomain faces within 200 steps (migrations > 0)
+ARGS = [
+    "md",
+    "random_packing",
+    "--atoms",
+    "160",
+    "--cutoff",
+    "5.0",
+    "--skin",
+    "0.6",
+    "--temperature",
+    "200",
+    "--dt",
+    "4",
+    "--steps",
+    "200",
+    "--ranks",
+    "4",
+    "--seed",
+    "1",
+    "--check-serial",
+    "--thermo-every",
+    "50",
+]
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_md_parser(parser.add_subparsers())
+    return parser.parse_args(argv)
+
+
+def _check(r, ranks=4):
+    assert r["ranks"] == ranks and r["atoms"] == 160 and r["steps"] == 200
+    assert r["energy_rel_error"] <= 1e-12
+    assert r["max_force_error"] <= 1e-10 and r["max_stress_error"] <= 1e-10
+    assert r["max_position_error"] <= 1e-9
+    assert r["migrations"] > 0 and r["atoms_conserved"]
+    assert sum(r["owned_atoms_per_rank"]) == 160 and max(r["owned_atoms_per_rank"]) < 160
+    assert len(r["halo_atoms_per_rank"]) == ranks and min(r["halo_atoms_per_rank"]) > 0
+
+
+def test_cli_json_nve_on_4_ranks_equals_serial(capsys):
+    args = _parse(ARGS + ["--json"])
+    out = run_md(args)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    r = json.loads(last)
+    assert set(result_keys()) <= set(r) and r == json.loads(json.dumps(out))
+    _check(r)
+    assert r["potential"] == "lj" and r["thermostat"] == "none"
+    assert abs(r["conserved_drift"]) < 0.05 * abs(r["energy"] - r["final_potential"]) + 1e-3
+
+
+def test_langevin_on_4_ranks_equals_serial():
+    cfg = MDConfig(
+        structure="random_packing",
+        atoms=160,
+        cutoff=5.0,
+        skin=0.6,
+        temperature=200.0,
+        dt=4.0,
+        steps=200,
+        seed=1,
+        thermostat="langevin",
+        friction=0.05,
+        check_serial=True,
+        thermo_every=50,
+    )
+    r = run_on_world(md_rank, 4, cfg)[0]
+    _check(r)
+    assert r["thermostat"] == "langevin"
+
+
+def _bad_file(tmp_path, kind):
+    s = random_packing(40, seed=0)
+    path = tmp_path / f"{kind}.extxyz"
+    if kind == "nan":
+        s.positions[3, 1] = float("nan")  # System refuses NaN: write through ASE directly
+        atoms = random_packing(40, seed=0).to_ase()
+        atoms.positions[3, 1] = float("nan")
+        atoms.write(path)
+    elif kind == "mass":
+        atoms = s.to_ase()
+        atoms.numbers[5] = 0
+        del atoms.arrays["masses"]
+        atoms.write(path)
+    elif kind == "unreadable":
+        path.write_text("garbage\n")
+    else:
+        write(path, s)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "kind, match",
+    [
+        ("missing", "does not exist"),
+        ("unreadable", "cannot read structure file"),
+        ("nan", "NaN"),
+        ("mass", "missing mass"),
+        ("small", "box is too small for 3 ranks"),  # 40 atoms in a ~12 A box, ghost width 6 A
+    ],
+)
+def test_errors_reach_every_rank(tmp_path, kind, match):
+    path = "/nonexistent/x.extxyz" if kind == "missing" else _bad_file(tmp_path, kind)
+    cfg = MDConfig(structure=path, steps=2, cutoff=5.0)
+    with pytest.raises(RankFailure, match=match) as info:
+        run_on_world(md_rank, 3 if kind == "small" else 2, cfg)
+    if kind != "small":  # rank 0 read the file; its error is raised on every rank
+        assert "rank 0" in str(info.value)
