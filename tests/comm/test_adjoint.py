@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from twinshard import comm
 from twinshard.testing import run_on_grid, run_on_world
+from twinshard.testing.checks import adjoint_pair
 
 
 def _rand(*shape, seed, dtype=torch.float64):
@@ -13,14 +14,7 @@ def _rand(*shape, seed, dtype=torch.float64):
 
 
 def _pair(f, x, seed):
-    """Local <dy, f(x)> and <f*(dy), x>, summed over the world in fp64."""
-    x = x.clone().requires_grad_(True)
-    y = f(x)
-    dy = _rand(*y.shape, seed=seed)
-    (gx,) = torch.autograd.grad(y, x, dy)
-    lhs = torch.tensor([float((dy * y).sum()), float((gx * x).sum())], dtype=torch.float64)
-    dist.all_reduce(lhs)
-    return lhs.tolist()
+    return adjoint_pair(f, x, seed)
 
 
 def _world_ops(n_unused=None):
@@ -93,7 +87,7 @@ def _grid_ops(grid):
     for axis in ("rows", "cols"):
         for k in (1, 2, -1):
             out[f"ring_shift {axis} {k}"] = _pair(
-                lambda t: comm.ring_shift(t, grid, axis, k), _rand(2, 3, seed=10 + r), 20 + r
+                lambda t, a=axis, k=k: comm.ring_shift(t, grid, a, k), _rand(2, 3, seed=10 + r), 20 + r
             )
     if grid.rows == grid.cols:
         out["grid_transpose"] = _pair(

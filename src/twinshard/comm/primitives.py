@@ -23,6 +23,10 @@ from twinshard.comm.ledger import record
 
 Group = dist.ProcessGroup | None
 
+# torch 2.13 renamed the tensor-form collectives; older releases (>= 2.9) have the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype sums are carried in: at least fp32, fp64 kept."""
@@ -88,7 +92,7 @@ def all_gather(
     m = max(sizes)
     xt = _pad0(x.movedim(dim, 0), m).contiguous()
     out = xt.new_empty((n * m,) + tuple(xt.shape[1:]))
-    dist.all_gather_into_tensor(out, xt, group=group)
+    _all_gather_tensor(out, xt, group=group)
     record(op, nbytes(xt) * (n - 1), nbytes(xt) * (n - 1))
     blocks = [out[i * m : i * m + s] for i, s in enumerate(sizes)]
     return torch.cat(blocks).movedim(0, dim)
@@ -122,7 +126,7 @@ def reduce_scatter(
     xt = x.movedim(dim, 0).to(reduce_dtype(x.dtype))
     buf = torch.cat([_pad0(b, m) for b in torch.split(xt, sizes)]).contiguous()
     out = buf.new_empty((m,) + tuple(buf.shape[1:]))
-    dist.reduce_scatter_tensor(out, buf, group=group)
+    _reduce_scatter_tensor(out, buf, group=group)
     record(op, nbytes(out) * (n - 1), nbytes(out) * (n - 1))
     return out[: sizes[group_rank(group)]].movedim(0, dim).to(x.dtype)
 

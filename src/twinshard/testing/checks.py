@@ -276,3 +276,18 @@ def check_twin(
             )
         )
     return evs
+
+
+def adjoint_pair(f: Any, x: torch.Tensor, seed: int, group: Any = None) -> tuple[float, float]:
+    """In-rank: (sum_r <dy_r, f(x)_r>, sum_r <f*(dy)_r, x_r>) for a random dy, summed over
+    ``group`` in fp64. Equal up to round-off iff backward is the adjoint of forward (for an op
+    linear in x). Every rank gets the same pair."""
+    import torch.distributed as dist
+
+    x = x.detach().clone().requires_grad_(True)
+    y = f(x)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+    (gx,) = torch.autograd.grad(y, x, dy)
+    sums = torch.stack([(dy * y).sum(), (gx * x).sum()]).detach().to(torch.float64)
+    dist.all_reduce(sums, group=group)
+    return float(sums[0]), float(sums[1])
