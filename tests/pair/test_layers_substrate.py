@@ -218,3 +218,44 @@ def _rank_overcount(grid, cases, kind, n, s):
         return _rank(grid, cases, kind, n, s)
     finally:
         tokenwise.grad_group = saved
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct tensors autograd saves for backward while ``fn`` runs."""
+    seen: dict[tuple, int] = {}
+
+    def pack(t):
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        seen[key] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _rank_saved(grid, n):
+    serial = _serial("transition")
+    twin = _twin("transition", serial)
+    layout = PairLayout.for_sizes(n, grid)
+    x = synthetic(1, n, n, C, seed=3)
+    xd = shard_tensor(x, "pair", grid, layout).detach().requires_grad_(True)
+    return _saved_bytes(lambda: twin(xd))
+
+
+def test_transition_saved_bytes_per_rank():
+    """What a CP transition saves for backward per rank is the serial amount / P (+ the
+    replicated weights, which both save): <= 1.25 x serial / P on 2x2 and 3x3."""
+    n = 18
+    serial = _serial("transition")
+    x = synthetic(1, n, n, C, seed=3).requires_grad_(True)
+    serial_bytes = _saved_bytes(lambda: serial(x))
+    for shape in ((2, 2), (3, 3)):
+        p = shape[0] * shape[1]
+        per_rank = run_on_grid(_rank_saved, shape, n)
+        ratio = max(per_rank) / (serial_bytes / p)
+        print(
+            f"transition saved bytes {grid_id(shape)}: {per_rank} vs serial/P {serial_bytes / p:.0f} "
+            f"(ratio {ratio:.3f})"
+        )
+        assert ratio <= 1.25, (shape, per_rank, serial_bytes)
