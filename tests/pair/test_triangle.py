@@ -6,11 +6,26 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from twinshard.comm import primitives as P
+from twinshard.pair.features import PairLayout, collect_tensor, shard_tensor
+from twinshard.pair.layers import contraction, tokenwise
+from twinshard.pair.layers.triangle import CPTriangleMultiplication
 from twinshard.pair.reference.triangle import (
     TriangleMultiplication,
     TriangleMultiplicationIncoming,
     TriangleMultiplicationOutgoing,
     triangle_contract,
+)
+from twinshard.testing import (
+    TwinResult,
+    check_twin,
+    grid_id,
+    parameter_signature,
+    perturb_zero_parameters,
+    random_grad_output,
+    random_mask,
+    run_on_grid,
+    synthetic,
 )
 
 
@@ -119,3 +134,142 @@ def test_shape_errors():
         TriangleMultiplicationOutgoing(4)(torch.randn(1, 3, 3, 4), torch.ones(1, 3, 2))
     with pytest.raises(ValueError, match="direction"):
         TriangleMultiplication(4, "sideways")
+
+
+# -- CP twin against serial ---------------------------------------------------------------------
+
+C, H = 4, 3  # pair channels, channels of a and b (H != C exercises every projection shape)
+DIRECTIONS = ("outgoing", "incoming")
+
+
+def _serial_trimul(direction: str) -> TriangleMultiplication:
+    torch.manual_seed(21)
+    m = TriangleMultiplication(C, direction, hidden=H).double()
+    perturb_zero_parameters(m)  # p_out, g_in, g_out start at zero (AF3 "final"/"gating")
+    with torch.no_grad():  # LayerNorms start at (1, 0): move off it so every term matters
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def _inputs(b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    z = synthetic(b, n, n, C, seed=1)
+    mask = random_mask(b, n, n, seed=7, keep=0.8)  # random masked entries (plus padding on CP)
+    return z, mask
+
+
+_BUGS = ("skew", "transpose", "grad_reduce")
+
+
+def _rank_trimul(grid, directions, b, n, bug=None):
+    """Every rank: twin on its padded tiles, output gathered, random grad_output backpropagated."""
+    saved = (contraction._SKEW_OFFSET, contraction._TRANSPOSE_TILES, tokenwise.replicated_params)
+    if bug == "skew":  # negative control: the first operand skewed one step too far
+        contraction._SKEW_OFFSET = 1
+    elif bug == "transpose":  # negative control: a mirrored tile used untransposed
+        contraction._TRANSPOSE_TILES = False
+    elif bug == "grad_reduce":  # negative control: parameter gradients never summed
+        tokenwise.replicated_params = lambda params, like: list(params)
+    try:
+        results = {}
+        layout = PairLayout.for_sizes(n, grid)
+        for direction in directions:
+            serial = _serial_trimul(direction)
+            twin = CPTriangleMultiplication(C, direction, hidden=H).double()
+            twin.load_state_dict(serial.state_dict())
+            z, mask = _inputs(b, n)
+            z.requires_grad_(True)
+            zd = shard_tensor(z, "pair", grid, layout)
+            md = shard_tensor(mask, "pair", grid, layout)
+            out = twin(zd, md)
+            full = collect_tensor(out, layout, "pair")
+            full.backward(random_grad_output(full, seed=2))
+            results[direction] = TwinResult(
+                out=full.detach(),
+                grads_in={"z": P.all_reduce(z.grad)},  # each rank's z.grad covers its tile only
+                param_grads={k: v.grad for k, v in twin.named_parameters()},
+                shards={"z": zd.to_local().detach(), "out": out.to_local().detach()},
+                params=parameter_signature(twin),
+            )
+        return results
+    finally:
+        contraction._SKEW_OFFSET, contraction._TRANSPOSE_TILES = saved[:2]
+        tokenwise.replicated_params = saved[2]
+
+
+def _check(grid, direction, b, n, ranks):
+    serial = _serial_trimul(direction)
+    z, mask = _inputs(b, n)
+    z.requires_grad_(True)
+    out = serial(z, mask)
+    g = random_grad_output(out, seed=2)
+    out.backward(g)
+    check_twin(
+        what=f"trimul-{direction} N={n} B={b}",
+        grid=grid_id(grid),
+        serial_module=serial,
+        serial_out=out.detach(),
+        serial_grads_in={"z": z.grad},
+        serial_param_grads={k: v.grad for k, v in serial.named_parameters()},
+        ranks=[r[direction] for r in ranks],
+        grad_output=g,
+    )
+
+
+# (grid, N, B): N divisible by the grid and not (13 on 2x2, 7 on 3x3, 7 on 2x3 -> 12).
+CASES = [
+    ((1, 1), 5, 1),
+    ((2, 2), 8, 2),
+    ((2, 2), 13, 1),
+    ((3, 3), 7, 1),
+    ((1, 2), 6, 1),
+    ((2, 3), 7, 1),
+]
+
+
+@pytest.mark.parametrize("grid,n,b", CASES, ids=[f"{grid_id(g)}-N{n}" for g, n, _ in CASES])
+def test_cp_trimul_matches_serial(grid, n, b):
+    ranks = run_on_grid(_rank_trimul, grid, DIRECTIONS, b, n)
+    for direction in DIRECTIONS:
+        _check(grid, direction, b, n, ranks)
+
+
+@pytest.mark.parametrize("bug", _BUGS)
+def test_negative_controls_fail_parity(bug):
+    # Each planted bug must break parity (a harness that passes them proves nothing).
+    grid, n = (2, 2), 6
+    direction = "incoming" if bug == "transpose" else "outgoing"  # incoming moves A transposed
+    ranks = run_on_grid(_rank_trimul, grid, (direction,), 1, n, bug)
+    # A missing gradient sum is caught first by the replication check, the others by parity.
+    caught = "is not replicated" if bug == "grad_reduce" else "parity of trimul"
+    with pytest.raises(AssertionError, match=caught):
+        _check(grid, direction, 1, n, ranks)
+
+
+def _rank_errors(grid):
+    z = torch.zeros(1, 4, 4, C, dtype=torch.float64)
+    twin = CPTriangleMultiplication(C).double()
+    layout = PairLayout.for_sizes(4, grid)
+    messages = []
+    for call in (
+        lambda: twin(z),
+        lambda: twin(shard_tensor(z, "single", grid, layout)),
+        lambda: twin(
+            shard_tensor(z, "pair", grid, layout),
+            shard_tensor(z[..., 0], "pair", grid, PairLayout.for_sizes(4, grid)).to_local(),
+        ),
+    ):
+        try:
+            call()
+            messages.append(None)
+        except (TypeError, ValueError) as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_cp_trimul_rejects_bad_inputs_on_every_rank():
+    per_rank = run_on_grid(_rank_errors, (1, 2))
+    assert per_rank[0] == per_rank[1]
+    plain, single, _ = per_rank[0]
+    assert plain is not None and "DTensor" in plain
+    assert single is not None and "placements" in single

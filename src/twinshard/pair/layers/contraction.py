@@ -29,7 +29,7 @@ contractions on the same grid with the same schedules (``dX' = dZ Y'^T``,
 ``dY' = X'^T dZ``), each written back in the stored orientation of X and Y.
 
 Test-only switches (module attributes, read at call time; the negative controls plant
-bugs through them): ``_SKEW_OFFSET`` shifts the Cannon skew, ``_TRANSPOSE_TILES=False``
+bugs through them): ``_SKEW_OFFSET`` shifts the Cannon skew of the first operand only, ``_TRANSPOSE_TILES=False``
 uses a mirrored tile without transposing it.
 """
 
@@ -185,7 +185,7 @@ def _cannon(
 
     def want_y(rank: int) -> tuple[Range, Range]:
         rr, cc = grid.coords_of(rank)
-        k0 = (rr + cc + s) % q
+        k0 = (rr + cc) % q
         br, bc = (cc, k0) if ty else (k0, cc)
         return _blk(y.rows, q, br), _blk(y.cols, q, bc)
 
