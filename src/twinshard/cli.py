@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 # Demo sections: modules with ``demo_rows()``, each called on every rank of the demo world.
-DEMO_SECTIONS = ("twinshard.testing.example",)
+DEMO_SECTIONS = ("twinshard.testing.example", "twinshard.atoms.demo")
 
 
 def _demo_rank(sections: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -80,8 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run every family on local ranks against serial (embedded defaults)")
     demo.add_argument("--ranks", type=int, default=4)
     demo.set_defaults(func=run_demo)
+    from twinshard.atoms.driver import add_md_parser
+    from twinshard.bench import atoms as bench_atoms
+
+    add_md_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (JSON on the last stdout line)")
     bsub = bench.add_subparsers(dest="bench", required=True)
+    bench_atoms.add_parser(bsub)
     h = bsub.add_parser("harness", help="time a trivial function through the parity harness")
     h.add_argument("--ranks", type=int, default=4)
     h.add_argument("--repeat", type=int, default=10)
