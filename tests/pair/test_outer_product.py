@@ -6,7 +6,22 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from twinshard.comm import primitives as P
+from twinshard.pair.features import PairLayout, collect_tensor, shard_tensor
+from twinshard.pair.layers import contraction
+from twinshard.pair.layers.outer_product import CPOuterProductMean
 from twinshard.pair.reference.outer_product import OuterProductMean
+from twinshard.testing import (
+    TwinResult,
+    check_twin,
+    grid_id,
+    parameter_signature,
+    perturb_zero_parameters,
+    random_grad_output,
+    random_mask,
+    run_on_grid,
+    synthetic,
+)
 
 
 def _randomise(module: torch.nn.Module, seed: int) -> None:
@@ -69,3 +84,93 @@ def test_opm_shape_errors():
         OuterProductMean(4, 2, 2)(torch.randn(1, 2, 3, 4), torch.ones(1, 3, 2))
     with pytest.raises(ValueError, match="MSA"):
         OuterProductMean(4, 2, 2)(torch.randn(2, 3, 5))
+
+
+# -- CP twin against serial ---------------------------------------------------------------------
+
+CM, H, CZ = 5, 3, 4  # MSA channels, hidden, pair channels
+
+
+def _serial_opm() -> OuterProductMean:
+    torch.manual_seed(31)
+    m = OuterProductMean(CM, H, CZ).double()
+    perturb_zero_parameters(m)  # proj_o starts at zero ("final" init)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def _inputs(b: int, s: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m = synthetic(b, s, n, CM, seed=3)
+    mask = random_mask(b, s, n, seed=8, keep=0.75)
+    mask[:, :, -1] = 0  # the last token absent from every sequence: its pair counts clamp to one
+    return m, mask
+
+
+def _rank_opm(grid, b, s, n, bug=None):
+    saved = contraction._TRANSPOSE_TILES
+    if bug == "transpose":  # negative control: A's mirrored tiles used untransposed
+        contraction._TRANSPOSE_TILES = False
+    try:
+        serial = _serial_opm()
+        twin = CPOuterProductMean(CM, H, CZ).double()
+        twin.load_state_dict(serial.state_dict())
+        layout = PairLayout.for_sizes(n, grid, n_seqs=s)
+        m, mask = _inputs(b, s, n)
+        m.requires_grad_(True)
+        md = shard_tensor(m, "msa", grid, layout)
+        out = twin(md, shard_tensor(mask, "msa", grid, layout))
+        full = collect_tensor(out, layout, "pair")
+        full.backward(random_grad_output(full, seed=4))
+        return TwinResult(
+            out=full.detach(),
+            grads_in={"m": P.all_reduce(m.grad)},  # each rank's m.grad covers its tile only
+            param_grads={k: v.grad for k, v in twin.named_parameters()},
+            shards={"m": md.to_local().detach(), "out": out.to_local().detach()},
+            params=parameter_signature(twin),
+        )
+    finally:
+        contraction._TRANSPOSE_TILES = saved
+
+
+def _check(grid, b, s, n, ranks):
+    serial = _serial_opm()
+    m, mask = _inputs(b, s, n)
+    m.requires_grad_(True)
+    out = serial(m, mask)
+    g = random_grad_output(out, seed=4)
+    out.backward(g)
+    check_twin(
+        what=f"opm S={s} N={n} B={b}",
+        grid=grid_id(grid),
+        serial_module=serial,
+        serial_out=out.detach(),
+        serial_grads_in={"m": m.grad},
+        serial_param_grads={k: v.grad for k, v in serial.named_parameters()},
+        ranks=ranks,
+        grad_output=g,
+    )
+
+
+# (grid, S, N, B): S and N divisible by the grid and not.
+CASES = [
+    ((1, 1), 3, 5, 1),
+    ((2, 2), 4, 8, 2),
+    ((2, 2), 5, 13, 1),
+    ((3, 3), 4, 7, 1),
+    ((1, 2), 3, 6, 1),
+    ((2, 3), 5, 7, 1),
+]
+
+
+@pytest.mark.parametrize("grid,s,n,b", CASES, ids=[f"{grid_id(g)}-S{s}-N{n}" for g, s, n, _ in CASES])
+def test_cp_opm_matches_serial(grid, s, n, b):
+    _check(grid, b, s, n, run_on_grid(_rank_opm, grid, b, s, n))
+
+
+def test_cp_opm_negative_control_transposed_tile():
+    grid, s, n = (2, 2), 4, 4  # square MSA tiles, so the planted bug runs and must fail parity
+    ranks = run_on_grid(_rank_opm, grid, 1, s, n, "transpose")
+    with pytest.raises(AssertionError, match="parity of opm"):
+        _check(grid, 1, s, n, ranks)
