@@ -17,6 +17,7 @@ from twinshard.atoms.potentials import LennardJones, MessagePassingPotential, ev
 from twinshard.atoms.potentials.base import graph_from_system
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
+from twinshard.runtime import RankFailure
 from twinshard.tensors.rng import normal
 from twinshard.testing import (
     assert_grads_finite_nonzero,
@@ -224,3 +225,71 @@ def test_negative_control_stale_halo_features_are_caught():
     per_atom = _by_id([{"ids": i, "e": e} for i, e in res], "e", system)
     with pytest.raises(AssertionError):
         assert_parity(per_atom, ref.per_atom, what="negative control: no refresh")
+
+
+# ------------------------------------------------------------------ training through forces
+def _rank_force_loss(kind, name, grid):
+    pot = make_potential(kind)
+    system = make_system(name) if dist.get_rank() == 0 else None
+    sh = ShardedSystem.scatter(system, cutoff=pot.cutoff, skin=SKIN, grid=grid)
+    dp = DistributedPotential(pot)
+    res = dp.compute(sh, compute_stress=False, create_graph=True)
+    go = normal(6, 2, sh.ids[:, None].to(torch.int64), torch.arange(3)[None, :])
+    loss = (go * res.forces).sum()  # this rank's share of <g, F>
+    params = list(pot.parameters())
+    # double backward through the halo exchanges; an output bias has no force gradient
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    for p, g in zip(params, grads):
+        p.grad = g
+    dp.reduce_parameter_grads(sh)
+    return {n: p.grad for n, p in pot.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "kind,name,nranks,grid", [("lj", "triclinic", 3, (3, 1, 1)), ("mpnn", "fcc", 4, (2, 2, 1))]
+)
+def test_force_loss_parameter_gradients(kind, name, nranks, grid):
+    """d<g, F>/dtheta (double backward, as in force matching) equals the serial one."""
+    pot = make_potential(kind)
+    system = make_system(name)
+    x = system.positions.detach().requires_grad_(True)
+    graph = graph_from_system(system, pot.cutoff)
+    graph.positions = x
+    (gx,) = torch.autograd.grad(pot(graph).sum(), x, create_graph=True)
+    go = normal(6, 2, system.ids[:, None].to(torch.int64), torch.arange(3)[None, :])
+    ref = torch.autograd.grad((go * -gx).sum(), list(pot.parameters()), allow_unused=True)
+    names = [n for n, _ in pot.named_parameters()]
+    unused = {n for n, g in zip(names, ref) if g is None}
+    assert unused <= {"readout2.bias"}
+    ref = [torch.zeros_like(p) if g is None else g for p, g in zip(pot.parameters(), ref)]
+    res = run_on_world(_rank_force_loss, nranks, kind, name, grid)
+    assert_replicated(res, "force-loss parameter gradients")
+    assert_grads_finite_nonzero(
+        {n: g for n, g in res[0].items() if n not in unused}, f"force loss {kind}/{name}"
+    )
+    for n, g in zip(names, ref):
+        assert_parity(res[0][n], g, grid="x".join(map(str, grid)), what=f"d<g, F>/d{n} {kind}/{name}")
+
+
+# ------------------------------------------------------------------ bad input inside the model
+def _rank_unknown_species():
+    pot = LennardJones(cutoff=6.0)  # argon only
+    system = None
+    if dist.get_rank() == 0:
+        s = structures.fcc_argon(repeat=4, rattle=0.1, seed=1)
+        numbers = s.numbers.clone()
+        far = torch.argmax(s.positions[:, 0])  # one krypton at the far x end: one rank owns it
+        numbers[far] = 36
+        system = System(positions=s.positions, numbers=numbers, cell=s.cell, pbc=True)
+    sh = ShardedSystem.scatter(system, cutoff=6.0, skin=SKIN, grid=(3, 1, 1))
+    try:
+        DistributedPotential(pot).compute(sh)
+    except RankFailure as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_model_input_error_on_some_ranks_fails_on_every_rank():
+    msgs = run_on_world(_rank_unknown_species, 3, timeout=60)
+    for m in msgs:
+        assert "no parameters for atomic numbers [36]" in m

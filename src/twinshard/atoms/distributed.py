@@ -23,7 +23,9 @@ Collectives per evaluation:
               refreshed per layer, not a layers x cutoff halo);
     backward: the adjoint reverse exchange of each of those (halo partial
               gradients summed onto their owners, in >= fp64 for fp64);
-    then one all_reduce of ``[energy, virial (9)]``.
+    then one all_reduce of ``[energy, virial (9)]``; and once per neighbour-list
+    build, a fail-together agreement on a communication-free probe of the block's
+    inputs (so an input error the model finds on some ranks is raised on all).
 Memory per rank: the autograd graph of the block (owned + halo atoms, owned-
 receiver edges), i.e. ~(N/P + halo) / N of the serial graph; nothing scales with N.
 
@@ -42,9 +44,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from twinshard.atoms.potentials.base import strained
+from twinshard.atoms.potentials.base import Graph, strained
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.comm import primitives as prim
+from twinshard.runtime import agree_step
 
 __all__ = ["DistributedPotential", "DistributedResults"]
 
@@ -79,6 +82,7 @@ class DistributedPotential:
         if not hasattr(potential, "cutoff"):
             raise TypeError("the potential must have a float attribute `cutoff` (see potentials.base)")
         self.module = potential
+        self._probed: tuple[int, int] | None = None
 
     @property
     def cutoff(self) -> float:
@@ -103,6 +107,19 @@ class DistributedPotential:
                 f"the sharded system's halo was built for cutoff {sharded.cutoff}, but the "
                 f"potential needs {self.cutoff}; scatter with cutoff=potential.cutoff"
             )
+        if self._probed != (id(sharded), sharded.builds):
+            # Input errors the model raises on some ranks only (an atomic number it has no
+            # parameters for, ...) would leave the other ranks waiting in the halo exchange.
+            # Probe the block once per build on an edge-free, communication-free graph and
+            # agree, so every rank raises the same error instead.
+            with agree_step("distributed potential: check the block's inputs", sharded.group):
+                x = sharded.positions.detach()
+                numbers = torch.cat([sharded.numbers, sharded.halo_numbers])
+                block = torch.cat([x, x.new_zeros(sharded.n_halo, 3)])
+                none = torch.zeros(0, dtype=torch.int64, device=x.device)
+                with torch.no_grad():
+                    self.module(Graph(block, numbers, none, none, x.new_zeros(0, 3), sharded.n_owned))
+            self._probed = (id(sharded), sharded.builds)
 
     # -------------------------------------------------------------- energies
     def per_atom_energies(
