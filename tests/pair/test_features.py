@@ -135,6 +135,8 @@ def _rank_bad(grid, case):
         src = grid.size - 1
         f["mystery"] = torch.zeros(2, 5)
         f = f if grid.rank == src else None
+    elif case == "ranks_disagree":
+        f["z"] = f["z"][:, :, :, : 1 + grid.rank % 2]
     elif case == "tiny":
         f = {"z": torch.zeros(1, 2, 2, 1)}
     distribute(f, grid, src=src, kinds={"my_pair": "pair"})
@@ -147,6 +149,7 @@ def _rank_bad(grid, case):
         ("n_mismatch", (2, 2), "disagree on the token count"),
         ("src_without_data", (2, 2), "must pass the features"),
         ("unknown_from_src", (2, 3), "mystery"),
+        ("ranks_disagree", (1, 2), r"ranks \[1\] differ from rank 0"),
         ("tiny", (3, 3), "use a smaller grid"),
     ],
 )

@@ -292,9 +292,10 @@ def distribute(
     ``kinds`` overrides or extends ``PLACEMENT_TABLE``. Masks default to the
     promoted floating dtype of the features (>= fp32). The result holds every
     input key plus the added masks, and ``.layout`` for :func:`collect`.
-    Collectives: with ``src=None``, one status exchange (fail-together check);
-    with ``src``, a metadata broadcast, the check, and one point-to-point
-    message per feature and rank from ``src``.
+    Collectives: with ``src=None``, a metadata all-gather (ranks must agree)
+    and one status exchange (fail-together check); with ``src``, a metadata
+    broadcast, the check, and one point-to-point message per feature and rank
+    from ``src``.
     """
     if grid.ndim != 2:
         raise ValueError(f"pair features live on a rows x cols grid, got a {grid.ndim}-D grid")
@@ -312,6 +313,15 @@ def distribute(
         box = [meta]
         dist.broadcast_object_list(box, src=src)
         meta = box[0]
+    elif grid.size > 1:  # every rank claims to hold the same features: check, don't trust
+        sigs: list = [None] * grid.size
+        dist.all_gather_object(sigs, None if meta is None else sorted(meta.items(), key=str))
+        if err is None and any(sig != sigs[0] for sig in sigs if sig is not None):
+            bad = [r for r, sig in enumerate(sigs) if sig != sigs[0]]
+            err = ValueError(
+                f"with src=None every rank must pass the same features, but ranks {bad} differ "
+                "from rank 0 in names, shapes or dtypes; or pass them on one rank with src="
+            )
     layout = kind_of = None
     if err is None and meta is not None:
         try:
@@ -392,9 +402,7 @@ def _scatter_tiles(
         P.exchange(sends, [], dtype=wire, op="features.distribute")
         return mine.to(dtype)  # type: ignore[union-attr]
     shape = _padded_shape(name, layout, meta)
-    got = P.exchange(
-        [], [(src, _local_shape(shape, grid, placements))], dtype=wire, op="features.distribute"
-    )
+    got = P.exchange([], [(src, _local_shape(shape, grid, placements))], dtype=wire, op="features.distribute")
     return got[0].to(dtype)  # type: ignore[index]
 
 
