@@ -309,15 +309,19 @@ class HaloPlan:
 
     def padded_positions(self, x_owned: torch.Tensor, cell: torch.Tensor) -> torch.Tensor:
         """``[n_owned + n_halo, 3]`` block positions in this rank's frame (differentiable in x)."""
-        cell = cell.to(x_owned.dtype)
-        own = x_owned + self.owned_shift.to(x_owned.dtype) @ cell
-        halo = self.forward(x_owned) + self.halo_shift.to(x_owned.dtype) @ cell
+        cell = cell.to(dtype=x_owned.dtype, device=x_owned.device)
+        own = x_owned + self.owned_shift.to(x_owned.device, x_owned.dtype) @ cell
+        halo = self.forward(x_owned) + self.halo_shift.to(x_owned.device, x_owned.dtype) @ cell
         return torch.cat([own, halo])
 
     def _forward_raw(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach()
         tail = tuple(x.shape[1:])
-        sends = [(self.global_peers[q], x[self.send_idx[q]]) for q in self.peers if self.send_idx[q].numel()]
+        sends = [
+            (self.global_peers[q], x[self.send_idx[q].to(x.device)])
+            for q in self.peers
+            if self.send_idx[q].numel()
+        ]
         recvs = [
             (self.global_peers[q], (self.recv_counts[q],) + tail) for q in self.peers if self.recv_counts[q]
         ]
