@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 # Demo sections: modules with ``demo_rows()``, each called on every rank of the demo world.
-DEMO_SECTIONS = ("twinshard.testing.example", "twinshard.atoms.demo")
+DEMO_SECTIONS = ("twinshard.testing.example", "twinshard.atoms.demo", "twinshard.pair.demo")
 
 
 def _demo_rank(sections: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -82,11 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=run_demo)
     from twinshard.atoms.driver import add_md_parser
     from twinshard.bench import atoms as bench_atoms
+    from twinshard.bench import pair as bench_pair
 
     add_md_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (JSON on the last stdout line)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bench_atoms.add_parser(bsub)
+    bench_pair.add_parser(bsub)
     h = bsub.add_parser("harness", help="time a trivial function through the parity harness")
     h.add_argument("--ranks", type=int, default=4)
     h.add_argument("--repeat", type=int, default=10)
