@@ -17,7 +17,7 @@ Collectives per MD step (distributed): the potential's (halo forward exchange
 of positions and one per message-passing layer, their reverse exchanges in
 backward, one all_reduce of the energy), ``update``'s all_gather of the
 largest displacement (plus, on a rebuild, migration all_to_alls and the halo
-plan), and the thermo all_reduce of the kinetic energy on logged steps.
+plan), and one thermo all_reduce (kinetic energy and bath heat) on logged steps.
 
 Figures (per rank, reported by rank 0):
 - ``peak_memory_bytes_per_rank``: tensor bytes resident between steps (owned
@@ -274,8 +274,8 @@ class DistributedEngine:
     def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         from twinshard.comm import primitives as prim
 
-        y = x.reshape(1).to(prim.reduce_dtype(x.dtype))
-        return prim.all_reduce(y, self.sharded.group, op="thermo")[0].to(x.dtype)
+        y = x.reshape(-1).to(prim.reduce_dtype(x.dtype)).contiguous()
+        return prim.all_reduce(y, self.sharded.group, op="thermo").to(x.dtype).reshape(x.shape)
 
     def gather(self) -> System | None:
         return self.sharded.gather(0)
@@ -329,9 +329,16 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     # the start: parity figures and the per-rank memory of one force evaluation
     res0, peak = _peak_during(lambda: dp.compute(sharded, compute_stress=True), device)
     resident = _tensor_bytes(sharded)
-    counts = sharded.counts()
-    start_ids = prim.all_gather(sharded.ids.contiguous(), 0, None, counts, op="md_check")
-    start_forces = prim.all_gather(res0.forces.contiguous(), 0, None, counts, op="md_check")
+    start_ids = start_forces = None
+    if cfg.check_serial:  # replicated option: every rank takes the same branch
+        counts = sharded.counts()
+        start_ids = prim.all_gather(sharded.ids.contiguous(), 0, None, counts, op="md_check")
+        start_forces = prim.all_gather(res0.forces.contiguous(), 0, None, counts, op="md_check")
+    all_ids = None
+    if system is not None:
+        all_ids = torch.sort(system.ids).values
+        if not cfg.check_serial:
+            system = None  # rank 0 keeps no whole-system copy through the run
 
     engine = DistributedEngine(sharded, dp)
     integ = make_integrator(cfg)
@@ -356,7 +363,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     stats = prim.all_gather(stats, 0, None, op="md_stats")
     if rank != 0:
         return {"rank": rank}
-    assert system is not None and final is not None
+    assert all_ids is not None and final is not None
     thermo = out["thermo"]
     result: dict[str, Any] = {
         "ranks": nranks,
@@ -384,9 +391,10 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         "final_potential": thermo.rows[-1]["potential"],
         "final_temperature": thermo.rows[-1]["temperature"],
         "conserved_drift": thermo.rows[-1]["conserved"] - thermo.rows[0]["conserved"],
-        "atoms_conserved": bool(torch.equal(final.ids, torch.sort(system.ids).values)),
+        "atoms_conserved": bool(torch.equal(final.ids, all_ids)),
     }
     if cfg.check_serial:
+        assert system is not None and start_ids is not None and start_forces is not None
         result.update(_check_serial(cfg, potential, system, res0, start_ids, start_forces, final))
     return result
 

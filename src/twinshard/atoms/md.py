@@ -193,7 +193,7 @@ class Engine(Protocol):
         """(total potential energy, forces on the local atoms in the local order)."""
 
     def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks (identity serially)."""
+        """Elementwise sum over ranks, same shape (identity serially)."""
 
     def gather(self) -> System | None:
         """The whole system on rank 0 (ordered by id), ``None`` elsewhere."""
@@ -295,12 +295,15 @@ def simulate(
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     log = ThermoLog(engine.n_atoms, path=thermo_path if engine.rank == 0 else None)
-    heat_total = torch.zeros((), dtype=engine.positions.dtype)
+    # Heat this rank's atoms exchanged with the bath so far; summed over ranks only when logged
+    # (a sum of local sums), so a thermostat adds no collective to unlogged steps.
+    heat_local = torch.zeros((), dtype=engine.positions.dtype)
 
     def record(step: int, energy: torch.Tensor) -> None:
-        ke = engine.reduce_sum(kinetic_energy(engine.velocities, engine.masses))
-        e, k = float(energy), float(ke)
-        log.add(step, step * integrator.dt_fs, e, k, e + k - float(heat_total))
+        local = torch.stack([kinetic_energy(engine.velocities, engine.masses), heat_local])
+        k, heat = engine.reduce_sum(local).tolist()  # one collective for both sums
+        e = float(energy)
+        log.add(step, step * integrator.dt_fs, e, k, e + k - heat)
 
     def write_frame(step: int, energy: torch.Tensor) -> None:
         frame = engine.gather()  # a collective in a distributed run: every rank calls it
@@ -327,8 +330,7 @@ def simulate(
         energy, forces = engine.compute()
         v, heat2 = integrator.second(engine.velocities, forces, engine.masses, engine.ids, step)
         engine.set_state(engine.positions, v, moved=False)
-        if integrator.thermostat:
-            heat_total = heat_total + engine.reduce_sum(heat + heat2)
+        heat_local = heat_local + (heat + heat2)
         if step % thermo_every == 0 or step == steps:
             record(step, energy)
         if trajectory is not None and step % trajectory_every == 0:
