@@ -235,3 +235,41 @@ def _rank_nan_during_md():
 def test_nan_positions_during_md_fail_on_every_rank():
     for m in run_on_world(_rank_nan_during_md, 3):
         assert "non-finite" in m and "{1: 1}" in m
+
+
+# ------------------------------------------------------------------- adversarial occupancy
+def _sparse_system():
+    """Atoms fill the first third of a long periodic box: some slabs hold few or no atoms."""
+    f = structures.fcc_argon(repeat=3, rattle=0.2, seed=1)
+    cell = f.cell.clone()
+    cell[0, 0] *= 3
+    return System(positions=f.positions, numbers=f.numbers, cell=cell, pbc=True)
+
+
+def _rank_sparse():
+    pot = LennardJones(cutoff=CUTOFF)
+    sh = ShardedSystem.scatter(
+        _sparse_system() if dist.get_rank() == 0 else None, cutoff=CUTOFF, skin=SKIN, grid=(4, 1, 1)
+    )
+    dp = DistributedPotential(pot)
+    first = dp.compute(sh)
+    n_first = sh.n_owned
+    sh.positions += torch.tensor([2.0, 0.3, -0.2], dtype=torch.float64)  # every atom crosses > skin/2
+    sh.update()
+    second = dp.compute(sh)
+    return n_first, first.energy, second.energy, sh.n_owned, sh.gather_all().n_atoms
+
+
+def test_empty_and_tiny_shards():
+    s = _sparse_system()
+    pot = LennardJones(cutoff=CUTOFF)
+    e1 = evaluate(pot, s).energy
+    s.positions += torch.tensor([2.0, 0.3, -0.2], dtype=torch.float64)
+    e2 = evaluate(pot, s).energy
+    res = run_on_world(_rank_sparse, 4)
+    assert min(r[0] for r in res) == 0  # one rank owns nothing, and still takes part
+    assert sorted(r[0] for r in res)[1] <= 20  # and one owns only a few atoms
+    for _, a, b, _, total in res:
+        assert total == s.n_atoms
+        assert_parity(a, e1, what="LJ energy with an empty shard")
+        assert_parity(b, e2, what="LJ energy with an empty shard after migration")
