@@ -31,7 +31,7 @@ def test_nve_conserves_energy_with_second_order_error():
     lj = LennardJones(cutoff=6.0)
     err = {}
     for dt in (8.0, 4.0):
-        out = simulate(SerialEngine(lj, s, skin=1.0), VelocityVerlet(dt), int(400 / dt))
+        out = simulate(SerialEngine(lj, s, skin=1.0), VelocityVerlet(dt), int(200 / dt))
         c = _column(out, "conserved")
         err[dt] = float((c - c[0]).abs().max())
         kin = _column(out, "kinetic")
