@@ -15,6 +15,7 @@ import torch
 
 from twinshard.pair.features import PairLayout, collect_tensor, shard_tensor
 from twinshard.pair.layers import CPDropout, CPLayerNorm, CPLinear, CPTransition, pointwise, tokenwise
+from twinshard.pair.layers import dropout as cp_dropout
 from twinshard.pair.reference import Dropout, LayerNorm, Linear, Transition
 from twinshard.testing import (
     TwinResult,
@@ -180,26 +181,41 @@ def test_negative_control_skipped_gradient_reduction():
         _check((2, 2), cases, "pair", 7, 0, results)
 
 
-def _rank_masks(grid, n):
+def _rank_masks(grid, n, local_keys=False):
     """Dropout masks drawn per tile (with padding) assemble to the serial mask."""
     layout = PairLayout.for_sizes(n, grid)
     out = {}
-    for col in (False, True):
-        d = CPDropout(0.4, columnwise=col, stream=9).train()
-        ones = shard_tensor(torch.ones(1, n, n, 3, dtype=torch.float64), "pair", grid, layout)
-        out[col] = collect_tensor(d(ones, seed=21), layout, "pair")
+    saved = cp_dropout.local_offsets
+    if local_keys:  # planted bug: key the mask by the tile-local index
+        cp_dropout.local_offsets = lambda shape, mesh, placements: (0,) * len(shape)
+    try:
+        for col in (False, True):
+            d = CPDropout(0.4, columnwise=col, stream=9).train()
+            ones = shard_tensor(torch.ones(1, n, n, 3, dtype=torch.float64), "pair", grid, layout)
+            out[col] = collect_tensor(d(ones, seed=21), layout, "pair")
+    finally:
+        cp_dropout.local_offsets = saved
     return out
 
 
-@pytest.mark.parametrize("shape", [(2, 3), (3, 3)], ids=grid_id)
-def test_dropout_mask_equals_serial_bitwise(shape):
-    n = 7
-    for got in run_on_grid(_rank_masks, shape, n):
+def _check_masks(results, n):
+    for got in results:
         for col in (False, True):
             ref = Dropout(0.4, columnwise=col, stream=9).train()(
                 torch.ones(1, n, n, 3, dtype=torch.float64), seed=21
             )
             torch.testing.assert_close(got[col], ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (3, 3)], ids=grid_id)
+def test_dropout_mask_equals_serial_bitwise(shape):
+    _check_masks(run_on_grid(_rank_masks, shape, 7), 7)
+
+
+def test_negative_control_dropout_keyed_by_local_index():
+    """Masks keyed by tile-local instead of global indices repeat per tile: caught."""
+    with pytest.raises(AssertionError, match="not equal"):
+        _check_masks(run_on_grid(_rank_masks, (2, 2), 7, local_keys=True), 7)
 
 
 def test_negative_control_reduction_over_replicated_axis():
