@@ -295,7 +295,8 @@ def distribute(
     Collectives: with ``src=None``, a metadata all-gather (ranks must agree)
     and one status exchange (fail-together check); with ``src``, a metadata
     broadcast, the check, and one point-to-point message per feature and rank
-    from ``src``.
+    from ``src``. Differentiable only with ``src=None`` (tiles are slices of the
+    caller's tensors); the ``src`` path moves data, not gradients.
     """
     if grid.ndim != 2:
         raise ValueError(f"pair features live on a rows x cols grid, got a {grid.ndim}-D grid")
