@@ -119,9 +119,7 @@ def test_dropout_mask_keyed_by_global_index():
     full_c = dropout_mask((2, 10, 12, 5), 0.3, seed=5, stream=2, columnwise=True)
     # A block at (row 4, col 6) draws the serial mask's slice: what a rank holding it draws.
     blk_r = dropout_mask((2, 3, 4, 5), 0.3, seed=5, stream=2, row_offset=4, col_offset=6)
-    blk_c = dropout_mask(
-        (2, 3, 4, 5), 0.3, seed=5, stream=2, columnwise=True, row_offset=4, col_offset=6
-    )
+    blk_c = dropout_mask((2, 3, 4, 5), 0.3, seed=5, stream=2, columnwise=True, row_offset=4, col_offset=6)
     torch.testing.assert_close(blk_r, full_r[:, :, 6:10], rtol=0, atol=0)
     torch.testing.assert_close(blk_c, full_c[:, 4:7], rtol=0, atol=0)
     assert not torch.equal(full_r, dropout_mask((2, 10, 12, 5), 0.3, seed=6, stream=2))

@@ -200,9 +200,7 @@ def local_offsets(
     return tuple(off)
 
 
-def local_block(
-    full: torch.Tensor, grid: GridLike, placements: Sequence[Placement]
-) -> torch.Tensor:
+def local_block(full: torch.Tensor, grid: GridLike, placements: Sequence[Placement]) -> torch.Tensor:
     """This rank's tile of a tensor that every rank holds in full (a contiguous copy).
 
     Sizes must split evenly (pad first). Differentiable: the adjoint scatters the

@@ -35,9 +35,7 @@ class CPDropout(Dropout):
             raise ValueError(f"dropout needs x[..., R, C, c], got shape {tuple(x.shape)}")
         off = local_offsets(x.shape, x.device_mesh, x.placements)
         local = x.to_local()
-        mask = self.mask(
-            local.shape, seed, local.dtype, local.device, row_offset=off[-3], col_offset=off[-2]
-        )
+        mask = self.mask(local.shape, seed, local.dtype, local.device, row_offset=off[-3], col_offset=off[-2])
         return from_local(local * mask, x.device_mesh, x.placements)
 
     def serial_forward(self, x: torch.Tensor, seed: int | None = None) -> torch.Tensor:

@@ -26,9 +26,7 @@ __all__ = ["Transition"]
 class Transition(nn.Module):
     """SwiGLU transition on the last dim: ``dim -> hidden -> out_dim`` (hidden = 4 dim)."""
 
-    def __init__(
-        self, dim: int, hidden: int | None = None, out_dim: int | None = None, expansion: int = 4
-    ):
+    def __init__(self, dim: int, hidden: int | None = None, out_dim: int | None = None, expansion: int = 4):
         super().__init__()
         hidden = expansion * dim if hidden is None else hidden
         out_dim = dim if out_dim is None else out_dim
