@@ -63,8 +63,9 @@ def _counters(keys: tuple[torch.Tensor | int, ...], device: torch.device | None)
     return ts
 
 
-def random_bits(seed: int, stream: int, *keys: torch.Tensor | int, block: int = 0,
-                device: torch.device | None = None) -> list[torch.Tensor]:
+def random_bits(
+    seed: int, stream: int, *keys: torch.Tensor | int, block: int = 0, device: torch.device | None = None
+) -> list[torch.Tensor]:
     """Four independent 32-bit words (int64 tensors) per broadcast key."""
     c = _counters(keys, device)
     c.append(torch.full_like(c[0], block & _MASK32))
@@ -77,15 +78,25 @@ def _u53(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (x + 0.5) / float(1 << 53)
 
 
-def uniform(seed: int, stream: int, *keys: torch.Tensor | int, dtype: torch.dtype = torch.float64,
-            device: torch.device | None = None) -> torch.Tensor:
+def uniform(
+    seed: int,
+    stream: int,
+    *keys: torch.Tensor | int,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """Uniform draws in (0, 1), one per broadcast key, computed in fp64 then cast."""
     w = random_bits(seed, stream, *keys, device=device)
     return _u53(w[0], w[1]).to(dtype)
 
 
-def normal(seed: int, stream: int, *keys: torch.Tensor | int, dtype: torch.dtype = torch.float64,
-           device: torch.device | None = None) -> torch.Tensor:
+def normal(
+    seed: int,
+    stream: int,
+    *keys: torch.Tensor | int,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """Standard normal draws (Box-Muller on two 53-bit uniforms), one per broadcast key."""
     w = random_bits(seed, stream, *keys, device=device)
     u1, u2 = _u53(w[0], w[1]), _u53(w[2], w[3])
