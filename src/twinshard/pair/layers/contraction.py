@@ -253,6 +253,64 @@ def _summa(
     return acc
 
 
+def _cannon_stationary(
+    grid: ProcessGrid, dz: torch.Tensor, w: torch.Tensor, which: str, equation: str, tag: str
+) -> torch.Tensor:
+    """Gradient of ``Z = X^T Y`` (X, Y stored [K, N] like MSA tiles) with dZ kept in place.
+
+    Rank (r, c) holds ``dZ[I_r, J_c]`` and at step t works on k-block ``k = r + c + t``:
+    - ``which="x"``: ``dX[k, I_r] += sum_j Y[k, J_c] dZ[I_r, J_c]^T``; Y's tiles move up the
+      grid column (Cannon's Y skew and shift), the partial dX moves left along the row;
+    - ``which="y"``: ``dY[k, J_c] += sum_i X[k, I_r] dZ[I_r, J_c]``; X's tiles move left
+      along the row (Cannon's transposing X skew and shift), the partial dY moves up.
+    After q steps every partial holds all q contributions; one permutation delivers it to
+    its owner. Per rank: 1 skew + (q - 1) operand shifts + (q - 1) partial shifts + 1
+    delivery, each one K x N / P tile with X's channels; dZ never moves.
+    """
+    q = grid.rows
+    r, c = grid.coords
+    rows, cols = w.shape[1] * q, w.shape[2] * q
+
+    def want(rank: int) -> tuple[Range, Range]:
+        rr, cc = grid.coords_of(rank)
+        br, bc = ((rr + cc) % q, cc) if which == "x" else ((rr + cc) % q, rr)
+        return _blk(rows, q, br), _blk(cols, q, bc)
+
+    (wt,) = _Fetch(grid, [Tiled(w, rows, cols)], [want], op=f"{tag}:skew").wait()
+    if which == "x":  # operand up the column, partial left along the row
+        w_to, w_from = grid.rank_of((r - 1, c)), grid.rank_of((r + 1, c))
+        p_to, p_from = grid.rank_of((r, c - 1)), grid.rank_of((r, c + 1))
+        deliver_to, deliver_from = grid.rank_of((r + c - 1, r)), grid.rank_of((c, r - c + 1))
+        zt = dz.transpose(1, 2)
+    else:  # operand left along the row, partial up the column
+        w_to, w_from = grid.rank_of((r, c - 1)), grid.rank_of((r, c + 1))
+        p_to, p_from = grid.rank_of((r - 1, c)), grid.rank_of((r + 1, c))
+        deliver_to, deliver_from = grid.rank_of((r + c - 1, c)), grid.rank_of((r - c + 1, c))
+        zt = dz
+    acc = None
+    for t in range(q):
+        pending = None
+        if t < q - 1:  # the next operand tile travels while this step multiplies
+            pending = P.exchange(
+                [(w_to, wt)],
+                [(w_from, tuple(wt.shape))],
+                dtype=wt.dtype,
+                op=f"{tag}:ring_shift",
+                async_op=True,
+            )
+        part = torch.einsum(equation, wt, zt)
+        acc = part if acc is None else acc.add_(part)
+        if pending is not None:
+            (wt,) = pending.wait()
+            (acc,) = P.exchange(
+                [(p_to, acc)], [(p_from, tuple(acc.shape))], dtype=acc.dtype, op=f"{tag}:partial_shift"
+            )
+    (out,) = P.exchange(
+        [(deliver_to, acc)], [(deliver_from, tuple(acc.shape))], dtype=acc.dtype, op=f"{tag}:deliver"
+    )
+    return out
+
+
 @dataclass(frozen=True)
 class Contraction:
     """A contraction ``Z = op(X) op(Y)`` and the einsums of its two backward contractions.
@@ -261,6 +319,10 @@ class Contraction:
     ``grad_x``: block product giving ``dX`` in X's stored orientation from oriented operands
     ``(dZ, Y)`` when X is not transposed, ``(Y, dZ^T)`` when it is.
     ``grad_y``: likewise for ``dY``: ``(X^T, dZ)`` or ``(dZ^T, X)``.
+    ``stationary_grad``: on square grids, keep ``dZ`` in place in backward and move the
+    operands and the partial gradients instead (:func:`_cannon_stationary`); for ``Z`` with
+    more channels than ``X`` and ``Y`` (the outer product mean's c_hidden^2), this moves
+    operand-sized tiles only. Only for ``tx=True, ty=False``.
     """
 
     tx: bool
@@ -269,6 +331,7 @@ class Contraction:
     grad_x: str
     grad_y: str
     tag: str
+    stationary_grad: bool = False
 
 
 class _GridContract(torch.autograd.Function):
@@ -299,6 +362,14 @@ class _GridContract(torch.autograd.Function):
         Z = Tiled(gz.contiguous(), mz, nz)
         tag = f"{spec.tag}:backward"
         gx = gy = None
+        if spec.stationary_grad and grid.rows == grid.cols and grid.size > 1:
+            if not (tx and not ty):
+                raise ValueError("stationary_grad is implemented for tx=True, ty=False only")
+            if ctx.needs_input_grad[0]:
+                gx = _cannon_stationary(grid, Z.tile, Y.tile, "x", spec.grad_x, tag)
+            if ctx.needs_input_grad[1]:
+                gy = _cannon_stationary(grid, Z.tile, X.tile, "y", spec.grad_y, tag)
+            return gx, gy, None, None, None, None
         if ctx.needs_input_grad[0]:
             # dX' = dZ Y'^T; stored X = X' (tx False) or X'^T = Y' dZ^T (tx True).
             if not tx:

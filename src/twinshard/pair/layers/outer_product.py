@@ -17,10 +17,12 @@ tile x c_hidden^2 (the accumulator) exists on any rank.
 
 Collectives. Forward: the contraction of the ``a``/``b`` MSA tiles (c_hidden channels)
 and of the mask (1 channel): Cannon skew + q - 1 ring shifts, or R + C - 1 segment
-exchanges. Backward: two contractions (``dA = B dO^T``, ``dB = A dO``) that move the
-``b``/``a`` MSA tiles and the ``dO`` pair tiles (c_hidden^2 channels, so the backward
-moves ~c_hidden / 2 times the forward's bytes), and one all-reduce of the flat
-parameter gradient over the grid (>= fp32).
+exchanges. Backward on square grids: ``dO`` (c_hidden^2 channels) stays in place; for
+``dA`` and ``dB`` the ``b``/``a`` tiles travel as in the forward and the partial
+gradients (MSA tiles) travel the other axis, then one delivery each: ~2x the forward's
+bytes. On rectangular grids the backward is two SUMMA contractions that fetch ``dO``
+pieces (c_hidden^2 channels: ~c_hidden / 2 times the forward's bytes). Plus one
+all-reduce of the flat parameter gradient over the grid (>= fp32).
 
 Memory saved for backward per rank: the serial module's activations for one MSA tile
 (LayerNorm, projections, ``a``/``b``) and one pair tile (the ``proj_o`` input, tile x
@@ -49,6 +51,7 @@ OPM_SPEC = Contraction(
     grad_x="bmkd,bkncd->bmnc",  # dA[s, i, c] = sum_j B[s, j, d] dO[i, j, c, d]  (B, dO^T)
     grad_y="bmkc,bkncd->bmnd",  # dB[s, j, d] = sum_i A[s, i, c] dO[i, j, c, d]  (A^T^T, dO)
     tag="opm",
+    stationary_grad=True,  # dO (c_hidden^2 channels) stays put on square grids
 )
 _COUNT = "bmkc,bknd->bmncd"
 
