@@ -160,8 +160,10 @@ def test_reverse_accumulates_in_at_least_fp32():
 def _rank_ledger():
     s = _system("long") if dist.get_rank() == 0 else None
     sh = ShardedSystem.scatter(s, cutoff=6.0, skin=0.5, grid=(4, 1, 1))
+    x = sh.positions.clone().requires_grad_(True)
     with CommLedger() as ledger:
-        sh.plan.padded_positions(sh.positions, sh.cell)
+        block = sh.plan.padded_positions(x, sh.cell)
+        torch.autograd.grad(block, x, _keyed(torch.arange(block.shape[0]) + 1000 * sh.rank, 3, 9))
     self_rows = int(sh.plan.send_idx.get(sh.rank, torch.zeros(0)).numel())
     from_others = sh.plan.n_halo - int(sh.plan.recv_counts.get(sh.rank, 0))
     return ledger.summary(), sh.plan.n_sent, self_rows, from_others, sh.n_owned, sh.n_halo
@@ -173,6 +175,10 @@ def test_ledger_records_halo_bytes():
         assert op["calls"] == 1
         assert op["bytes_sent"] == n_sent * 3 * 8 and n_sent > 0
         assert op["bytes_recv"] == from_others * 3 * 8
+        back = summary["ops"]["halo_forward:backward"]  # the reverse exchange, mirrored bytes
+        assert back["calls"] == 1
+        assert back["bytes_sent"] == op["bytes_recv"] and back["bytes_recv"] == op["bytes_sent"]
+        assert set(summary["ops"]) == {"halo_forward", "halo_forward:backward"}
         assert self_rows > 0  # bordering itself along y and z: local copies, not on the wire
         # ghost shell of a 10.5 A cube slab grown by w = 6.5 A on every side, at fcc density
         side, w, rho = 42.08 / 4, 6.5, 4 / 5.26**3

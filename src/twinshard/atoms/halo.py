@@ -25,7 +25,8 @@ with which lattice shift, and how many halo rows come back. Its two exchanges:
 Each is the autograd adjoint of the other (the backward of one calls the
 other, so double backward works too). Both talk only to neighbour ranks, via
 ``twinshard.comm`` point-to-point ``exchange`` (ledger ops ``halo_forward`` and
-``halo_reverse``); a rank's images of its own atoms are local copies.
+``halo_reverse``, and ``halo_forward:backward`` for the reverse exchange run by
+autograd); a rank's images of its own atoms are local copies.
 Collectives per call: one sparse exchange with the neighbour set, forward and
 backward alike. Memory: nothing saved for backward but the plan (indices).
 """
@@ -314,7 +315,7 @@ class HaloPlan:
         halo = self.forward(x_owned) + self.halo_shift.to(x_owned.device, x_owned.dtype) @ cell
         return torch.cat([own, halo])
 
-    def _forward_raw(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_raw(self, x: torch.Tensor, op: str = "halo_forward") -> torch.Tensor:
         x = x.detach()
         tail = tuple(x.shape[1:])
         sends = [
@@ -325,12 +326,12 @@ class HaloPlan:
         recvs = [
             (self.global_peers[q], (self.recv_counts[q],) + tail) for q in self.peers if self.recv_counts[q]
         ]
-        got = _exchange(sends, recvs, x.dtype, "halo_forward")
+        got = _exchange(sends, recvs, x.dtype, op)
         if not got:
             return x.new_zeros((0,) + tail)
         return torch.cat(got)
 
-    def _reverse_raw(self, y: torch.Tensor) -> torch.Tensor:
+    def _reverse_raw(self, y: torch.Tensor, op: str = "halo_reverse") -> torch.Tensor:
         y = y.detach()
         tail = tuple(y.shape[1:])
         acc = prim.reduce_dtype(y.dtype)
@@ -342,7 +343,7 @@ class HaloPlan:
             for q in self.peers
             if self.send_idx[q].numel()
         ]
-        got = _exchange(sends, recvs, y.dtype, "halo_reverse")
+        got = _exchange(sends, recvs, y.dtype, op)
         out = torch.zeros((self.n_owned,) + tail, dtype=acc, device=y.device)
         srcs = [q for q in self.peers if self.send_idx[q].numel()]
         for q, g in zip(srcs, got):
@@ -360,23 +361,29 @@ def _exchange(sends: list, recvs: list, dtype: torch.dtype, op: str) -> list[tor
     return prim.exchange(sends, recvs, dtype=dtype, op=op)  # type: ignore[return-value]
 
 
+# The backward of each exchange is the other one, applied as a Function so that double
+# backward (training on forces) works; ledger names follow "<op>:backward".
 class _HaloForward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: object, x: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
-        ctx.plan = plan
-        return plan._forward_raw(x)
+    def forward(ctx: object, x: torch.Tensor, plan: HaloPlan, op: str = "halo_forward") -> torch.Tensor:
+        ctx.plan, ctx.op = plan, op
+        return plan._forward_raw(x, op)
 
     @staticmethod
-    def backward(ctx: object, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _HaloReverse.apply(g.contiguous(), ctx.plan), None
+    def backward(ctx: object, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _HaloReverse.apply(g.contiguous(), ctx.plan, _backward_name(ctx.op)), None, None
 
 
 class _HaloReverse(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: object, y: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
-        ctx.plan = plan
-        return plan._reverse_raw(y)
+    def forward(ctx: object, y: torch.Tensor, plan: HaloPlan, op: str = "halo_reverse") -> torch.Tensor:
+        ctx.plan, ctx.op = plan, op
+        return plan._reverse_raw(y, op)
 
     @staticmethod
-    def backward(ctx: object, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _HaloForward.apply(g.contiguous(), ctx.plan), None
+    def backward(ctx: object, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _HaloForward.apply(g.contiguous(), ctx.plan, _backward_name(ctx.op)), None, None
+
+
+def _backward_name(op: str) -> str:
+    return op if op.endswith(":backward") else op + ":backward"
