@@ -354,6 +354,12 @@ class ShardedSystem:
         any atom on any rank moved more than ``skin / 2`` since the last build;
         every rank takes the same decision from one all_gather. Returns whether
         it rebuilt. Raises ValueError on every rank if any position is NaN/inf.
+
+        Collectives: one all_gather of ``[max displacement, #non-finite]``; on a
+        rebuild also (spatial partition, P > 1) one all_to_all of counts, one
+        all_reduce of the number of migrating atoms and, if any moved, one
+        all_to_all per field; then the halo plan (one all_gather of boxes, two
+        neighbour exchanges) and one halo forward exchange of atomic numbers.
         """
         if self.max_displacement() > 0.5 * self.skin or force:
             self._migrate()
