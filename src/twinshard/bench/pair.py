@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from twinshard.comm import CommLedger
+from twinshard.pair.layers.contraction import schedule_name
 from twinshard.runtime import get_world, make_grid, shared_pool
 
 __all__ = ["OPS", "add_parser", "bench_rank", "measure", "parse_grid", "run"]
@@ -273,7 +274,7 @@ def _summarise(
         "hidden": a.hidden,
         "sequences": a.sequences if op == "opm" else None,
         "batch": a.batch,
-        "schedule": "serial" if P == 1 else ("cannon" if shape[0] == shape[1] else "summa"),
+        "schedule": schedule_name(shape),
         "max_abs_error_out": max(r["err_out"] for r in ranks),
         "max_abs_error_grad_inputs": max(r["err_in"] for r in ranks),
         "max_abs_error_grad_params": max(r["err_par"] for r in ranks),

@@ -26,11 +26,15 @@ Schedules (chosen from the grid shape, a replicated value):
 Memory per rank: two tiles of each operand (current + in flight) and one output tile;
 nothing of size N^2 (or N^2 / R) is ever held. The backward of ``Z = X' Y'`` is two more
 contractions on the same grid with the same schedules (``dX' = dZ Y'^T``,
-``dY' = X'^T dZ``), each written back in the stored orientation of X and Y.
+``dY' = X'^T dZ``), each written back in the stored orientation of X and Y. When ``dZ``
+has many more channels than X and Y (the outer product mean), the backward instead
+keeps ``dZ`` in place and moves the operands and the partial gradients
+(``Contraction.stationary_grad``; ring shifts on square grids, per-row fetch and
+scatter on rectangular ones).
 
 Test-only switches (module attributes, read at call time; the negative controls plant
-bugs through them): ``_SKEW_OFFSET`` shifts the Cannon skew of the first operand only, ``_TRANSPOSE_TILES=False``
-uses a mirrored tile without transposing it.
+bugs through them): ``_SKEW_OFFSET`` shifts the Cannon skew of the first operand only;
+``_TRANSPOSE_TILES=False`` uses a mirrored tile without transposing it.
 """
 
 from __future__ import annotations
@@ -53,8 +57,11 @@ _TRANSPOSE_TILES = True
 Range = tuple[int, int]
 
 
-def schedule_name(grid: ProcessGrid) -> str:
-    return "cannon" if grid.rows == grid.cols else "summa"
+def schedule_name(shape: tuple[int, int]) -> str:
+    """The schedule a rows x cols grid runs: "serial" (1 x 1), "cannon" or "summa"."""
+    if shape[0] * shape[1] == 1:
+        return "serial"
+    return "cannon" if shape[0] == shape[1] else "summa"
 
 
 def _blk(n: int, parts: int, i: int) -> Range:
@@ -311,6 +318,63 @@ def _cannon_stationary(
     return out
 
 
+def _summa_stationary(
+    grid: ProcessGrid, dz: torch.Tensor, w: torch.Tensor, which: str, equation: str, tag: str
+) -> torch.Tensor:
+    """The rectangular-grid form of :func:`_cannon_stationary` (same contractions, dZ in place).
+
+    For each k-block (grid row k of the stored [K, N] operands): fetch the operand piece this
+    rank's dZ tile multiplies (``Y[k, J_c]``, one tile from rank (k, c); or ``X[k, I_r]``,
+    pieces from grid row k), form the partial gradient, and send it to the rank(s) of grid
+    row k owning those columns, which sum what they receive in a fixed order. Per rank over
+    the loop: ``K N / R`` (or ``K N / C``) operand elements in and the same order of partial
+    elements out, with X's channels; dZ never moves.
+    """
+    R, C = grid.rows, grid.cols
+    r, c = grid.coords
+    kb, nb = w.shape[1], w.shape[2]  # stored tile: K / R rows, N / C cols
+    K, N = kb * R, nb * C
+    nr = N // R  # dZ rows block (tokens over grid rows)
+    out = None
+    mine_cols = _blk(N, C, c)
+    for k in range(R):
+
+        def want(rank: int, k: int = k) -> tuple[Range, Range]:
+            rr, cc = grid.coords_of(rank)
+            return _blk(K, R, k), (_blk(N, C, cc) if which == "x" else _blk(N, R, rr))
+
+        (wk,) = _Fetch(grid, [Tiled(w, K, N)], [want], op=f"{tag}:summa_fetch").wait()
+        if which == "x":  # partial dX[k, I_r]: to the owners (k, c') of the columns of I_r
+            part = torch.einsum(equation, wk, dz.transpose(1, 2))
+            sends = []
+            for c2 in range(C):
+                hit = _inter(_blk(N, R, r), _blk(N, C, c2))
+                if hit:
+                    piece = part[:, :, hit[0] - r * nr : hit[1] - r * nr]
+                    sends.append((grid.rank_of((k, c2)), piece))
+            recvs = []
+            if r == k:
+                for r2 in range(R):
+                    hit = _inter(_blk(N, R, r2), mine_cols)
+                    if hit:
+                        for c2 in range(C):
+                            recvs.append((grid.rank_of((r2, c2)), hit))
+        else:  # partial dY[k, J_c]: to the owner (k, c), summed over the grid column
+            part = torch.einsum(equation, wk, dz)
+            sends = [(grid.rank_of((k, c)), part)]
+            recvs = [(grid.rank_of((r2, c)), mine_cols) for r2 in range(R)] if r == k else []
+        if out is None:  # the gradient tile: X's (or Y's) stored tile with the partial's channels
+            out = part.new_zeros(w.shape[:3] + part.shape[3:])
+        shapes = [(p, out.shape[:2] + (h[1] - h[0],) + out.shape[3:]) for p, h in recvs]
+        got = P.exchange(
+            [(p, t.contiguous()) for p, t in sends], shapes, dtype=out.dtype, op=f"{tag}:partial_scatter"
+        )
+        for (_, hit), piece in zip(recvs, got):
+            out[:, :, hit[0] - mine_cols[0] : hit[1] - mine_cols[0]] += piece
+    assert out is not None  # R >= 1 iterations ran
+    return out
+
+
 @dataclass(frozen=True)
 class Contraction:
     """A contraction ``Z = op(X) op(Y)`` and the einsums of its two backward contractions.
@@ -319,10 +383,10 @@ class Contraction:
     ``grad_x``: block product giving ``dX`` in X's stored orientation from oriented operands
     ``(dZ, Y)`` when X is not transposed, ``(Y, dZ^T)`` when it is.
     ``grad_y``: likewise for ``dY``: ``(X^T, dZ)`` or ``(dZ^T, X)``.
-    ``stationary_grad``: on square grids, keep ``dZ`` in place in backward and move the
-    operands and the partial gradients instead (:func:`_cannon_stationary`); for ``Z`` with
-    more channels than ``X`` and ``Y`` (the outer product mean's c_hidden^2), this moves
-    operand-sized tiles only. Only for ``tx=True, ty=False``.
+    ``stationary_grad``: keep ``dZ`` in place in backward and move the operands and the
+    partial gradients instead (:func:`_cannon_stationary`, :func:`_summa_stationary`); for
+    ``Z`` with more channels than ``X`` and ``Y`` (the outer product mean's c_hidden^2),
+    this moves operand-sized tiles only. Only for ``tx=True, ty=False``.
     """
 
     tx: bool
@@ -362,13 +426,14 @@ class _GridContract(torch.autograd.Function):
         Z = Tiled(gz.contiguous(), mz, nz)
         tag = f"{spec.tag}:backward"
         gx = gy = None
-        if spec.stationary_grad and grid.rows == grid.cols and grid.size > 1:
+        if spec.stationary_grad and grid.size > 1:
             if not (tx and not ty):
                 raise ValueError("stationary_grad is implemented for tx=True, ty=False only")
+            fn = _cannon_stationary if grid.rows == grid.cols else _summa_stationary
             if ctx.needs_input_grad[0]:
-                gx = _cannon_stationary(grid, Z.tile, Y.tile, "x", spec.grad_x, tag)
+                gx = fn(grid, Z.tile, Y.tile, "x", spec.grad_x, tag)
             if ctx.needs_input_grad[1]:
-                gy = _cannon_stationary(grid, Z.tile, X.tile, "y", spec.grad_y, tag)
+                gy = fn(grid, Z.tile, X.tile, "y", spec.grad_y, tag)
             return gx, gy, None, None, None, None
         if ctx.needs_input_grad[0]:
             # dX' = dZ Y'^T; stored X = X' (tx False) or X'^T = Y' dZ^T (tx True).

@@ -17,12 +17,11 @@ tile x c_hidden^2 (the accumulator) exists on any rank.
 
 Collectives. Forward: the contraction of the ``a``/``b`` MSA tiles (c_hidden channels)
 and of the mask (1 channel): Cannon skew + q - 1 ring shifts, or R + C - 1 segment
-exchanges. Backward on square grids: ``dO`` (c_hidden^2 channels) stays in place; for
-``dA`` and ``dB`` the ``b``/``a`` tiles travel as in the forward and the partial
-gradients (MSA tiles) travel the other axis, then one delivery each: ~2x the forward's
-bytes. On rectangular grids the backward is two SUMMA contractions that fetch ``dO``
-pieces (c_hidden^2 channels: ~c_hidden / 2 times the forward's bytes). Plus one
-all-reduce of the flat parameter gradient over the grid (>= fp32).
+exchanges. Backward: ``dO`` (c_hidden^2 channels) never moves. For ``dA`` and ``dB`` the
+``b``/``a`` MSA tiles travel to the ``dO`` tiles and the partial gradients (MSA tiles)
+travel to their owners: on square grids ring shifts plus one delivery, on rectangular
+grids one operand fetch and one partial scatter per grid row (~2-3x the forward's bytes
+in all). Plus one all-reduce of the flat parameter gradient over the grid (>= fp32).
 
 Memory saved for backward per rank: the serial module's activations for one MSA tile
 (LayerNorm, projections, ``a``/``b``) and one pair tile (the ``proj_o`` input, tile x
