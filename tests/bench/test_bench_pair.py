@@ -94,3 +94,14 @@ def test_pair_demo_rows_same_on_every_rank():
     assert {"what", "grid", "max_abs_error", "bytes_per_rank"} <= set(rows[0])
     for r in rows:
         assert r["max_abs_error"] < 1e-12 and r["bytes_per_rank"] > 0
+
+
+def _bench_in_world(_: int) -> dict:
+    # As under torchrun: the world exists, so the bench runs on these ranks (no new pool).
+    return bench_pair.run(_args("--op", "trimul-in", "--grid", "2x2", "--tokens", "6", "--json"))
+
+
+def test_bench_pair_inside_an_existing_world():
+    per_rank = shared_pool().run(_bench_in_world, 4, 0)
+    assert all(r == per_rank[0] for r in per_rank[1:])
+    assert per_rank[0]["grid"] == "2x2" and per_rank[0]["max_abs_error_out"] < 1e-12

@@ -320,6 +320,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         ranks = shared_pool().run(bench_rank, shape[0] * shape[1], *call)
     result = _summarise(args.op, args.tokens, shape, args, ranks)
+    if world is not None and world.size == shape[0] * shape[1] and world.rank != 0:
+        return result  # under torchrun every rank has the result; rank 0 prints it
     if not getattr(args, "json", False):
         for k, v in result.items():
             if not isinstance(v, list):
