@@ -29,8 +29,7 @@ def test_matches_brute_force_triclinic(pbc):
     cutoff = 8.0  # > |a1| = 7.44: every atom sees its own periodic images
     e = neighbor_list(s.positions, cutoff, s.cell, torch.tensor(pbc))
     got = {
-        (j, i, tuple(c))
-        for j, i, c in zip(e.senders.tolist(), e.receivers.tolist(), e.cell_shifts.tolist())
+        (j, i, tuple(c)) for j, i, c in zip(e.senders.tolist(), e.receivers.tolist(), e.cell_shifts.tolist())
     }
     want = _brute(s.positions, s.cell, pbc, cutoff)
     assert got == want and len(want) > 0

@@ -57,14 +57,7 @@ def _lj_pair_loop(s, params, cutoff):
                 (ei, si), (ej, sj) = params[z[i]], params[z[j]]
                 eps, sig = math.sqrt(ei * ej), 0.5 * (si + sj)
                 phi = (
-                    4
-                    * eps
-                    * (
-                        (sig / r) ** 12
-                        - (sig / r) ** 6
-                        - (sig / cutoff) ** 12
-                        + (sig / cutoff) ** 6
-                    )
+                    4 * eps * ((sig / r) ** 12 - (sig / r) ** 6 - (sig / cutoff) ** 12 + (sig / cutoff) ** 6)
                 )
                 dphi = 4 * eps * (-12 * sig**12 / r**13 + 6 * sig**6 / r**7)
                 e_atom[i] += 0.5 * phi
@@ -152,9 +145,7 @@ def test_mpnn_invariances_and_dtype():
     res = evaluate(pot, s)
     assert res.energy.dtype == torch.float64
     # rotation + translation of positions and cell: same energies, rotated forces
-    q, _ = torch.linalg.qr(
-        torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    )
+    q, _ = torch.linalg.qr(torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
     r = s.clone()
     r.positions = s.positions @ q.T + torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
     r.cell = s.cell @ q.T

@@ -95,10 +95,7 @@ def write(
         from ase.calculators.singlepoint import SinglePointCalculator
 
         props = {
-            k: (v.detach().cpu().double().numpy() if torch.is_tensor(v) else v)
-            for k, v in properties.items()
+            k: (v.detach().cpu().double().numpy() if torch.is_tensor(v) else v) for k, v in properties.items()
         }
         atoms[0].calc = SinglePointCalculator(atoms[0], **props)
-    ase.io.write(
-        os.fspath(path), atoms if len(atoms) > 1 else atoms[0], format=format, append=append
-    )
+    ase.io.write(os.fspath(path), atoms if len(atoms) > 1 else atoms[0], format=format, append=append)

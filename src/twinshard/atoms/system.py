@@ -138,9 +138,7 @@ class System:
             ("ids", self.ids, (n,)),
         ):
             if tuple(t.shape) != shape:
-                raise ValueError(
-                    f"{name} must have shape {list(shape)} for {n} atoms, got {list(t.shape)}"
-                )
+                raise ValueError(f"{name} must have shape {list(shape)} for {n} atoms, got {list(t.shape)}")
         bad = torch.nonzero(~torch.isfinite(self.masses) | (self.masses <= 0)).flatten()
         if bad.numel():
             raise ValueError(
@@ -233,9 +231,7 @@ class System:
             info=dict(self.info),
         )
 
-    def to(
-        self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
-    ) -> System:
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> System:
         """Float fields cast to ``dtype`` and everything moved to ``device``."""
 
         def cast(t: torch.Tensor) -> torch.Tensor:
@@ -283,9 +279,7 @@ class System:
             cell=torch.as_tensor(np.asarray(atoms.get_cell()), dtype=dtype),
             pbc=torch.as_tensor(np.asarray(atoms.get_pbc(), dtype=bool)),
             masses=masses,
-            velocities=torch.as_tensor(np.asarray(atoms.get_velocities()), dtype=dtype)
-            if n
-            else None,
+            velocities=torch.as_tensor(np.asarray(atoms.get_velocities()), dtype=dtype) if n else None,
             ids=None if ids is None else torch.as_tensor(np.asarray(ids), dtype=torch.int64),
             arrays=arrays,
             info=info,

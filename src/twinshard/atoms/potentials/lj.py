@@ -50,18 +50,14 @@ class LennardJones(Potential):
         for z in species:
             e, s = params[z]
             if not (e > 0 and s > 0):
-                raise ValueError(
-                    f"LJ epsilon and sigma must be positive, got {params[z]} for Z={z}"
-                )
+                raise ValueError(f"LJ epsilon and sigma must be positive, got {params[z]} for Z={z}")
         self.epsilon = nn.Parameter(torch.tensor([params[z][0] for z in species], dtype=dtype))
         self.sigma = nn.Parameter(torch.tensor([params[z][1] for z in species], dtype=dtype))
         table = torch.full((max(species) + 1,), -1, dtype=torch.int64)
         table[torch.tensor(species)] = torch.arange(len(species))
         self.register_buffer("species_index", table, persistent=False)
         self.species = species
-        self.cutoff = float(
-            cutoff if cutoff is not None else 2.5 * max(p[1] for p in params.values())
-        )
+        self.cutoff = float(cutoff if cutoff is not None else 2.5 * max(p[1] for p in params.values()))
 
     def extra_repr(self) -> str:
         return f"species={self.species}, cutoff={self.cutoff}"
@@ -73,9 +69,7 @@ class LennardJones(Potential):
             or bool((table[numbers.clamp(0, table.numel() - 1)] < 0).any())
         ):
             missing = sorted(set(numbers.tolist()) - set(self.species))
-            raise ValueError(
-                f"LJ has no parameters for atomic numbers {missing}; it knows {self.species}"
-            )
+            raise ValueError(f"LJ has no parameters for atomic numbers {missing}; it knows {self.species}")
         return table[numbers]
 
     def forward(self, graph: Graph) -> torch.Tensor:

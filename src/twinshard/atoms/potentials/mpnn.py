@@ -38,12 +38,7 @@ __all__ = ["MessagePassingPotential", "bessel_basis", "polynomial_envelope"]
 
 def polynomial_envelope(x: torch.Tensor, p: int = 6) -> torch.Tensor:
     """DimeNet envelope: 1 at x=0, 0 with two zero derivatives at x=1; 0 beyond."""
-    env = (
-        1.0
-        - (p + 1) * (p + 2) / 2 * x**p
-        + p * (p + 2) * x ** (p + 1)
-        - p * (p + 1) / 2 * x ** (p + 2)
-    )
+    env = 1.0 - (p + 1) * (p + 2) / 2 * x**p + p * (p + 2) * x ** (p + 1) - p * (p + 1) / 2 * x ** (p + 2)
     return torch.where(x < 1.0, env, torch.zeros_like(env))
 
 
@@ -94,16 +89,12 @@ class MessagePassingPotential(Potential):
         fdim = int(n_features)
 
         def w(fan_in: int, fan_out: int) -> nn.Parameter:
-            return nn.Parameter(
-                torch.randn(fan_in, fan_out, generator=gen, dtype=dtype) / math.sqrt(fan_in)
-            )
+            return nn.Parameter(torch.randn(fan_in, fan_out, generator=gen, dtype=dtype) / math.sqrt(fan_in))
 
         def b(dim: int) -> nn.Parameter:
             return nn.Parameter(0.1 * torch.randn(dim, generator=gen, dtype=dtype))
 
-        self.embedding = nn.Parameter(
-            torch.randn(len(self.species), fdim, generator=gen, dtype=dtype)
-        )
+        self.embedding = nn.Parameter(torch.randn(len(self.species), fdim, generator=gen, dtype=dtype))
         self.layers = nn.ModuleList()
         for _ in range(self.n_layers):
             layer = nn.Module()
@@ -140,9 +131,7 @@ class MessagePassingPotential(Potential):
 
     def forward(self, graph: Graph) -> torch.Tensor:
         pos = graph.positions
-        dtype = torch.promote_types(
-            torch.promote_types(pos.dtype, self.embedding.dtype), torch.float32
-        )
+        dtype = torch.promote_types(torch.promote_types(pos.dtype, self.embedding.dtype), torch.float32)
 
         def lin(p: nn.ParameterDict, x: torch.Tensor) -> torch.Tensor:
             y = x @ p["weight"].to(dtype)
@@ -162,9 +151,7 @@ class MessagePassingPotential(Potential):
             h = graph.refresh(h)
             filt = lin(layer.filter2, F.silu(lin(layer.filter1, basis))) * env[:, None]
             msg = filt * lin(layer.message, h)[graph.senders]
-            agg = torch.zeros(n, fdim, dtype=dtype, device=pos.device).index_add(
-                0, graph.receivers, msg
-            )
+            agg = torch.zeros(n, fdim, dtype=dtype, device=pos.device).index_add(0, graph.receivers, msg)
             h = h + lin(layer.update2, F.silu(lin(layer.update1, agg / self.avg_neighbors)))
         e = lin(self.readout2, F.silu(lin(self.readout1, h)))
         return self.energy_scale * e[:, 0]
