@@ -84,9 +84,7 @@ class CPTriangleMultiplication(TriangleMultiplication, TokenwiseTwin):
             mask_local = mask.to_local()
         return self.tile_forward(z, mask_local, pair_grid(z))
 
-    def _tile_forward(
-        self, z: torch.Tensor, mask: torch.Tensor | None, grid: ProcessGrid
-    ) -> torch.Tensor:
+    def _tile_forward(self, z: torch.Tensor, mask: torch.Tensor | None, grid: ProcessGrid) -> torch.Tensor:
         a, b, x = self.project_in(z, mask)
         n = z.shape[1] * grid.rows
         o = grid_contract(a, b, grid, TRIMUL_SPECS[self.direction], (n, n), (n, n))

@@ -68,9 +68,7 @@ class OuterProductMean(nn.Module):
         if mask is None:
             mask = m.new_ones(m.shape[:3])
         if tuple(mask.shape) != tuple(m.shape[:3]):
-            raise ValueError(
-                f"mask must be [B, S, N] = {tuple(m.shape[:3])}, got {tuple(mask.shape)}"
-            )
+            raise ValueError(f"mask must be [B, S, N] = {tuple(m.shape[:3])}, got {tuple(mask.shape)}")
         a, b = self.project_in(m, mask)
         o = outer_product_sum(a, b) / self.pair_count(mask, a.dtype)
         return self.project_out(o, m.dtype)

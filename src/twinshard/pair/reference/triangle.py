@@ -95,9 +95,7 @@ class TriangleMultiplication(nn.Module):
         if z.dim() != 4 or z.shape[1] != z.shape[2] or z.shape[-1] != self.dim:
             raise ValueError(f"expected a pair tensor [B, N, N, {self.dim}], got {tuple(z.shape)}")
         if mask is not None and tuple(mask.shape) != tuple(z.shape[:3]):
-            raise ValueError(
-                f"mask must be [B, N, N] = {tuple(z.shape[:3])}, got {tuple(mask.shape)}"
-            )
+            raise ValueError(f"mask must be [B, N, N] = {tuple(z.shape[:3])}, got {tuple(mask.shape)}")
         a, b, x = self.project_in(z, mask)
         return self.project_out(self.contract(a, b), x)
 
