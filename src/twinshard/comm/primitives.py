@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard.comm.ledger import record
+from twinshard.runtime.world import get_world
 
 Group = dist.ProcessGroup | None
 
@@ -212,6 +213,9 @@ def exchange(
     me = dist.get_rank()
     if dtype is None:
         dtype = sends[0][1].dtype if sends else torch.float64
+    # a rank that only receives still needs its buffers on the backend's device (CUDA for NCCL)
+    world = get_world()
+    device = sends[0][1].device if sends else (world.device if world else torch.device("cpu"))
     send_peers = [p for p, _ in sends]
     recv_peers = [p for p, _ in recvs]
     if len(set(send_peers)) != len(send_peers) or len(set(recv_peers)) != len(recv_peers):
@@ -229,11 +233,7 @@ def exchange(
             sent += nbytes(bufs[peer])
         for i, (p, shape) in enumerate(recvs):
             if p == peer:
-                received[i] = torch.empty(
-                    shape,
-                    dtype=dtype,
-                    device=bufs[peer].device if peer in bufs else (sends[0][1].device if sends else None),
-                )
+                received[i] = torch.empty(shape, dtype=dtype, device=device)
                 pair.append(dist.P2POp(dist.irecv, received[i], peer))
                 got += nbytes(received[i])
         ops.extend(pair if me < peer else pair[::-1])
