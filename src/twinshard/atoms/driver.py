@@ -381,7 +381,8 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         "halo_atoms_per_rank": [int(v) for v in stats[:, 0].tolist()],
         "owned_atoms_per_rank": [int(v) for v in stats[:, 4].tolist()],
         "ghost_shell_estimate": shell,
-        "rank_grid": list(getattr(sharded.partition, "grid", (nranks, 1, 1))),
+        # a block partition has no rank grid (the shell estimate then assumes P slabs)
+        "rank_grid": list(sharded.partition.grid) if hasattr(sharded.partition, "grid") else None,
         "comm_bytes_per_step_per_rank": stats[:, 1].tolist(),
         "peak_memory_bytes_per_rank": [int(v) for v in stats[:, 2].tolist()],
         "serial_peak_memory_bytes": None,
