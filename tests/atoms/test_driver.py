@@ -8,9 +8,10 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from twinshard.atoms.driver import MDConfig, add_md_parser, md_rank, result_keys, run_md
-from twinshard.atoms.io import write
+from twinshard.atoms.io import read_trajectory, write
 from twinshard.atoms.structures import random_packing
 from twinshard.runtime import RankFailure
 from twinshard.testing import run_on_world
@@ -57,8 +58,10 @@ def _check(r, ranks=4):
     assert len(r["halo_atoms_per_rank"]) == ranks and min(r["halo_atoms_per_rank"]) > 0
 
 
-def test_cli_json_nve_on_4_ranks_equals_serial(capsys):
-    args = _parse(ARGS + ["--json"])
+def test_cli_json_nve_on_4_ranks_equals_serial(capsys, tmp_path):
+    traj, thermo = tmp_path / "traj.extxyz", tmp_path / "thermo.txt"
+    extra = ["--json", "--trajectory", str(traj), "--trajectory-every", "100", "--thermo", str(thermo)]
+    args = _parse(ARGS + extra)
     out = run_md(args)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     r = json.loads(last)
@@ -66,6 +69,9 @@ def test_cli_json_nve_on_4_ranks_equals_serial(capsys):
     _check(r)
     assert r["potential"] == "lj" and r["thermostat"] == "none"
     assert abs(r["conserved_drift"]) < 0.05 * abs(r["energy"] - r["final_potential"]) + 1e-3
+    frames = read_trajectory(traj)  # gathered on rank 0 at steps 0, 100, 200
+    assert len(frames) == 3 and all(torch.equal(f.ids, torch.arange(160)) for f in frames)
+    assert len(thermo.read_text().splitlines()) == 1 + 5  # header + steps 0, 50, ..., 200
 
 
 def test_langevin_on_4_ranks_equals_serial():
