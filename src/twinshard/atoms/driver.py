@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +53,7 @@ from twinshard.atoms.md import (
 )
 from twinshard.atoms.potentials import evaluate, make_potential
 from twinshard.atoms.system import System
+from twinshard.tensors.memory import peak_memory_during
 
 __all__ = [
     "MDConfig",
@@ -210,34 +210,6 @@ def _tensor_bytes(*objs: Any) -> int:
     return total
 
 
-def _peak_during(fn: Callable[[], Any], device: torch.device) -> tuple[Any, int]:
-    """(result, peak bytes allocated above the start while ``fn`` ran)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = fn()
-        torch.cuda.synchronize(device)
-        return out, int(torch.cuda.max_memory_allocated(device) - base)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    try:
-        events = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        )
-    except (AttributeError, RuntimeError):  # private profiler API moved: no figure
-        return out, -1
-    cur = peak = 0
-    for _, b in events:
-        cur += b
-        peak = max(peak, cur)
-    return out, int(peak)
-
-
 # ------------------------------------------------------------------------ engines
 
 
@@ -327,7 +299,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     device = sharded.positions.device
 
     # the start: parity figures and the per-rank memory of one force evaluation
-    res0, peak = _peak_during(lambda: dp.compute(sharded, compute_stress=True), device)
+    res0, peak = peak_memory_during(lambda: dp.compute(sharded, compute_stress=True), device)
     resident = _tensor_bytes(sharded)
     start_ids = start_forces = None
     if cfg.check_serial:  # replicated option: every rank takes the same branch
@@ -357,7 +329,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     comm = max(ledger.bytes_sent, ledger.bytes_recv) / steps
     final = sharded.gather(0)
     stats = torch.tensor(
-        [[float(halo0), comm, float(resident + max(peak, 0)), out["seconds"], float(sharded.n_owned)]],
+        [[float(halo0), comm, float(resident + (peak or 0)), out["seconds"], float(sharded.n_owned)]],
         dtype=torch.float64,
     )
     stats = prim.all_gather(stats, 0, None, op="md_stats")
@@ -413,7 +385,7 @@ def _serial_reference(cfg: MDConfig, potential: Any, system: System) -> dict[str
         if cached.get("key") == key:
             return cached
     engine = SerialEngine(potential, system, skin=cfg.skin)
-    ref, peak = _peak_during(lambda: evaluate(potential, system, engine.verlet), system.positions.device)
+    ref, peak = peak_memory_during(lambda: evaluate(potential, system, engine.verlet), system.positions.device)
     resident = _tensor_bytes(engine.system, engine.verlet.edges)
     run = simulate(engine, make_integrator(cfg), cfg.steps, thermo_every=max(1, cfg.thermo_every))
     out = {
@@ -421,7 +393,7 @@ def _serial_reference(cfg: MDConfig, potential: Any, system: System) -> dict[str
         "energy": ref.energy,
         "forces": _by_id(system.ids, ref.forces),
         "stress": ref.stress,
-        "peak": int(resident + max(peak, 0)),
+        "peak": int(resident + (peak or 0)),
         "final_positions": _by_id(engine.system.ids, engine.system.positions),
         "seconds_per_step": run["seconds"] / max(cfg.steps, 1),
         "final_potential": run["thermo"].rows[-1]["potential"],

@@ -33,6 +33,7 @@ import torch
 from twinshard.comm import CommLedger
 from twinshard.pair.layers.contraction import schedule_name
 from twinshard.runtime import get_world, make_grid, shared_pool
+from twinshard.tensors.memory import peak_memory_during
 
 __all__ = ["OPS", "add_parser", "bench_rank", "measure", "parse_grid", "run"]
 
@@ -69,26 +70,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 # -- measurement -------------------------------------------------------------------------------
 
 
-def _peak_cpu(fn: Callable[[], Any]) -> tuple[Any, int | None]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    try:
-        evs = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        )
-    except (AttributeError, RuntimeError):  # private profiler API moved: report no figure
-        return out, None
-    cur = peak = 0
-    for _, b in evs:
-        cur += b
-        peak = max(peak, cur)
-    return out, peak
-
-
 def measure(
     forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None], device: torch.device
 ) -> dict[str, Any]:
@@ -106,15 +87,7 @@ def measure(
         backward(out)
 
     t0 = time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-    else:
-        _, peak = _peak_cpu(step)
+    _, peak = peak_memory_during(step, device)
     return {"saved_bytes": sum(storages.values()), "peak_bytes": peak, "seconds": time.perf_counter() - t0}
 
 
