@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -97,12 +98,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from twinshard.runtime import RankFailure
+
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"twinshard: error: {exc}", file=sys.stderr)
         return 2
+    except RankFailure as exc:  # the origin's own error line; the traceback only on request
+        if os.environ.get("TWINSHARD_DEBUG"):
+            raise
+        last = [ln for ln in exc.failures[exc.rank].splitlines() if ln.strip()][-1]
+        where = f" in step {exc.step!r}" if exc.step else ""
+        print(
+            f"twinshard: error on rank {exc.rank}{where}: {last}\n"
+            "(set TWINSHARD_DEBUG=1 for the full traceback)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

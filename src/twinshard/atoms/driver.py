@@ -385,7 +385,9 @@ def _serial_reference(cfg: MDConfig, potential: Any, system: System) -> dict[str
         if cached.get("key") == key:
             return cached
     engine = SerialEngine(potential, system, skin=cfg.skin)
-    ref, peak = peak_memory_during(lambda: evaluate(potential, system, engine.verlet), system.positions.device)
+    ref, peak = peak_memory_during(
+        lambda: evaluate(potential, system, engine.verlet), system.positions.device
+    )
     resident = _tensor_bytes(engine.system, engine.verlet.edges)
     run = simulate(engine, make_integrator(cfg), cfg.steps, thermo_every=max(1, cfg.thermo_every))
     out = {
@@ -484,10 +486,20 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--thermo", default=None, help="write the thermo log to this file")
     p.add_argument("--trajectory", default=None, help="write an extxyz trajectory here")
     p.add_argument("--trajectory-every", type=int, default=10)
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a hung run fails")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds the whole run may take (any one collective may wait at most min(this, 300 s))",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     p.set_defaults(func=run_md)
     return p
+
+
+# A collective that waits this long is a hang, not a slow rank (rank 0 reading a large
+# structure while the others wait in the broadcast stays well under it).
+COLLECTIVE_TIMEOUT = 300.0
 
 
 def config_from_args(args: argparse.Namespace) -> MDConfig:
@@ -513,8 +525,10 @@ def run_md(args: argparse.Namespace) -> dict[str, Any]:
         if world.rank != 0:
             return result
     else:
-        timeout = float(getattr(args, "timeout", 3600.0))
-        result = shared_pool().run(md_rank, int(args.ranks), cfg, timeout=timeout)[0]
+        deadline = float(getattr(args, "timeout", 3600.0))
+        result = shared_pool().run(
+            md_rank, int(args.ranks), cfg, timeout=min(deadline, COLLECTIVE_TIMEOUT), deadline=deadline
+        )[0]
     if getattr(args, "json", False):
         print(json.dumps(result))
     else:

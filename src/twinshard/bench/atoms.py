@@ -25,7 +25,7 @@ import os
 import tempfile
 from typing import Any
 
-from twinshard.atoms.driver import MDConfig, md_rank
+from twinshard.atoms.driver import COLLECTIVE_TIMEOUT, MDConfig, md_rank
 from twinshard.runtime import shared_pool
 
 __all__ = ["add_parser", "run", "plot"]
@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=60.0)
     p.add_argument("--skin", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one P may take in all")
     p.add_argument("--plot", default=None, help="write a PNG of memory and halo size against P")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.set_defaults(func=run)
@@ -83,7 +83,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 thermo_every=max(1, args.steps),
                 serial_cache=cache,
             )
-            r = shared_pool().run(md_rank, p, cfg, timeout=float(args.timeout))[0]
+            r = shared_pool().run(
+                md_rank,
+                p,
+                cfg,
+                timeout=min(float(args.timeout), COLLECTIVE_TIMEOUT),
+                deadline=float(args.timeout),
+            )[0]
             runs.append(r)
             if not args.json:
                 print(

@@ -85,7 +85,10 @@ def _worker(index: int, conn: Connection, port: int, threads: int | None) -> Non
             data = pickle.dumps(out)
         except Exception as exc:
             data = pickle.dumps((out[0], False, f"result of rank {index} is not picklable: {exc!r}"))
-        conn.send_bytes(data)
+        try:
+            conn.send_bytes(data)
+        except OSError:  # the parent is gone (it stopped waiting, or exited): nothing to report to
+            return
 
 
 class WorkerPool:
@@ -136,9 +139,14 @@ class WorkerPool:
         *args: Any,
         backend: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        deadline: float | None = None,
         **kwargs: Any,
     ) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on ranks 0..nprocs-1 of one world; return per-rank results."""
+        """Run ``fn(*args, **kwargs)`` on ranks 0..nprocs-1 of one world; return per-rank results.
+
+        ``timeout``: seconds any one collective may wait; ``deadline``: seconds the whole job may
+        take (default: ``timeout``), after which the ranks still running are named and stopped.
+        """
         if nprocs < 1:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
         self._ensure(nprocs)
@@ -150,7 +158,7 @@ class WorkerPool:
         msg = pickle.dumps((list(sys.path), job))
         for i in range(nprocs):
             self._conns[i].send_bytes(msg)
-        outs, failures, silent = self._collect(nprocs, timeout)
+        outs, failures, silent = self._collect(nprocs, timeout if deadline is None else deadline)
         stuck = tuple(sorted(silent))
         for r in stuck:  # still running the job: unusable until replaced
             self._stop(r)
@@ -208,6 +216,7 @@ def launch(
     *args: Any,
     backend: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    deadline: float | None = None,
     threads: int | None = 1,
     **kwargs: Any,
 ) -> list[Any]:
@@ -215,11 +224,12 @@ def launch(
 
     Returns the per-rank results (index = rank). ``fn`` must be importable and its results
     picklable. A failing rank makes this raise RankFailure naming it, with its traceback; a
-    deadlock raises after ``timeout`` seconds naming the ranks that never finished.
+    collective waiting longer than ``timeout`` seconds fails its rank; a job still running after
+    ``deadline`` seconds (default ``timeout``) is stopped, naming the ranks that never finished.
     """
     pool = WorkerPool(threads=threads)
     try:
-        return pool.run(fn, nprocs, *args, backend=backend, timeout=timeout, **kwargs)
+        return pool.run(fn, nprocs, *args, backend=backend, timeout=timeout, deadline=deadline, **kwargs)
     finally:
         pool.close()
 

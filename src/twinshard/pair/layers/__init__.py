@@ -8,14 +8,24 @@ Inputs and outputs are DTensors at the placements of ``twinshard.tensors.dtensor
 from twinshard.pair.layers.dropout import CPDropout
 from twinshard.pair.layers.linear import CPLinear
 from twinshard.pair.layers.norm import CPLayerNorm
+from twinshard.pair.layers.outer_product import CPOuterProductMean
 from twinshard.pair.layers.tokenwise import TokenwiseTwin, grad_group, pointwise, replicated_params
 from twinshard.pair.layers.transition import CPTransition
+from twinshard.pair.layers.triangle import (
+    CPTriangleMultiplication,
+    CPTriangleMultiplicationIncoming,
+    CPTriangleMultiplicationOutgoing,
+)
 
 __all__ = [
     "CPDropout",
     "CPLayerNorm",
     "CPLinear",
+    "CPOuterProductMean",
     "CPTransition",
+    "CPTriangleMultiplication",
+    "CPTriangleMultiplicationIncoming",
+    "CPTriangleMultiplicationOutgoing",
     "TokenwiseTwin",
     "grad_group",
     "pointwise",

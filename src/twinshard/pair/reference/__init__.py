@@ -7,13 +7,23 @@ same parameters in the same order and must match them to fp64 round-off.
 from twinshard.pair.reference.dropout import Dropout, dropout_mask
 from twinshard.pair.reference.linear import Linear, init_linear
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
+from twinshard.pair.reference.outer_product import OuterProductMean
 from twinshard.pair.reference.transition import Transition
+from twinshard.pair.reference.triangle import (
+    TriangleMultiplication,
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
 
 __all__ = [
     "Dropout",
     "LayerNorm",
     "Linear",
+    "OuterProductMean",
     "Transition",
+    "TriangleMultiplication",
+    "TriangleMultiplicationIncoming",
+    "TriangleMultiplicationOutgoing",
     "compute_dtype",
     "dropout_mask",
     "init_linear",
