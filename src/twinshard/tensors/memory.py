@@ -9,12 +9,28 @@ the figure is ``None`` rather than a wrong number.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 __all__ = ["peak_memory_during"]
+
+
+@contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def peak_memory_during(fn: Callable[[], Any], device: torch.device) -> tuple[Any, int | None]:
@@ -28,8 +44,14 @@ def peak_memory_during(fn: Callable[[], Any], device: torch.device) -> tuple[Any
         return out, int(torch.cuda.max_memory_allocated(device) - base)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_fd2():  # kineto prints start/stop markers straight to fd 2
+        prof.__enter__()
+    try:
         out = fn()
+    finally:
+        with _quiet_fd2():
+            prof.__exit__(None, None, None)
     try:
         events = sorted(
             (e.start_ns(), e.nbytes())
