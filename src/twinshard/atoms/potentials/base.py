@@ -96,9 +96,31 @@ class Potential(nn.Module):
     """Base class: subclasses set ``cutoff`` and implement ``forward(graph) -> [n]``."""
 
     cutoff: float
+    species: list[int]
 
     def forward(self, graph: Graph) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def set_species(self, species: list[int]) -> None:
+        """Register the atomic numbers this potential has parameters for, in parameter-row order."""
+        self.species = [int(z) for z in species]
+        table = torch.full((max(self.species) + 1,), -1, dtype=torch.int64)
+        table[torch.tensor(self.species)] = torch.arange(len(self.species))
+        self.register_buffer("species_index", table, persistent=False)
+
+    def species_rows(self, numbers: torch.Tensor) -> torch.Tensor:
+        """The parameter row of each atom's species; a clear error for unknown atomic numbers."""
+        table = self.species_index
+        if numbers.numel() and (
+            int(numbers.max()) >= table.numel()
+            or bool((table[numbers.clamp(0, table.numel() - 1)] < 0).any())
+        ):
+            missing = sorted(set(numbers.tolist()) - set(self.species))
+            raise ValueError(
+                f"{type(self).__name__} has no parameters for atomic numbers {missing}; it knows "
+                f"{self.species}: build it with species={sorted(set(self.species) | set(missing))}"
+            )
+        return table[numbers]
 
 
 class Results(NamedTuple):

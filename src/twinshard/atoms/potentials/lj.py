@@ -53,31 +53,18 @@ class LennardJones(Potential):
                 raise ValueError(f"LJ epsilon and sigma must be positive, got {params[z]} for Z={z}")
         self.epsilon = nn.Parameter(torch.tensor([params[z][0] for z in species], dtype=dtype))
         self.sigma = nn.Parameter(torch.tensor([params[z][1] for z in species], dtype=dtype))
-        table = torch.full((max(species) + 1,), -1, dtype=torch.int64)
-        table[torch.tensor(species)] = torch.arange(len(species))
-        self.register_buffer("species_index", table, persistent=False)
-        self.species = species
+        self.set_species(species)
         self.cutoff = float(cutoff if cutoff is not None else 2.5 * max(p[1] for p in params.values()))
 
     def extra_repr(self) -> str:
         return f"species={self.species}, cutoff={self.cutoff}"
-
-    def _index(self, numbers: torch.Tensor) -> torch.Tensor:
-        table = self.species_index
-        if numbers.numel() and (
-            int(numbers.max()) >= table.numel()
-            or bool((table[numbers.clamp(0, table.numel() - 1)] < 0).any())
-        ):
-            missing = sorted(set(numbers.tolist()) - set(self.species))
-            raise ValueError(f"LJ has no parameters for atomic numbers {missing}; it knows {self.species}")
-        return table[numbers]
 
     def forward(self, graph: Graph) -> torch.Tensor:
         pos = graph.positions
         dtype = torch.promote_types(pos.dtype, self.epsilon.dtype)
         dtype = torch.promote_types(dtype, torch.float32)
         n = graph.n_atoms
-        sp = self._index(graph.numbers)
+        sp = self.species_rows(graph.numbers)
         eps = self.epsilon.to(dtype)
         sig = self.sigma.to(dtype)
         si, sj = sp[graph.receivers], sp[graph.senders]

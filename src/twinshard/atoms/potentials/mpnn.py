@@ -106,28 +106,13 @@ class MessagePassingPotential(Potential):
             self.layers.append(layer)
         self.readout1 = nn.ParameterDict({"weight": w(fdim, fdim), "bias": b(fdim)})
         self.readout2 = nn.ParameterDict({"weight": w(fdim, 1), "bias": b(1)})
-        table = torch.full((max(self.species) + 1,), -1, dtype=torch.int64)
-        table[torch.tensor(self.species)] = torch.arange(len(self.species))
-        self.register_buffer("species_index", table, persistent=False)
+        self.set_species(self.species)
 
     def extra_repr(self) -> str:
         return (
             f"species={self.species}, cutoff={self.cutoff}, n_basis={self.n_basis}, "
             f"n_layers={self.n_layers}, energy_scale={self.energy_scale}"
         )
-
-    def _index(self, numbers: torch.Tensor) -> torch.Tensor:
-        table = self.species_index
-        if numbers.numel() and (
-            int(numbers.max()) >= table.numel()
-            or bool((table[numbers.clamp(0, table.numel() - 1)] < 0).any())
-        ):
-            missing = sorted(set(numbers.tolist()) - set(self.species))
-            raise ValueError(
-                f"the message-passing potential has no embedding for atomic numbers "
-                f"{missing}; build it with species={sorted(set(self.species) | set(missing))}"
-            )
-        return table[numbers]
 
     def forward(self, graph: Graph) -> torch.Tensor:
         pos = graph.positions
@@ -145,7 +130,7 @@ class MessagePassingPotential(Potential):
         env = polynomial_envelope(r / rc)
         env = torch.where(inside, env, torch.zeros_like(env))
         basis = bessel_basis(r, rc, self.n_basis)
-        h = self.embedding.to(dtype)[self._index(graph.numbers)]
+        h = self.embedding.to(dtype)[self.species_rows(graph.numbers)]
         n, fdim = h.shape
         for layer in self.layers:
             h = graph.refresh(h)
