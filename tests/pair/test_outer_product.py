@@ -19,23 +19,16 @@ from twinshard.testing import (
     perturb_zero_parameters,
     random_grad_output,
     random_mask,
+    randomize_parameters,
     run_on_grid,
     synthetic,
 )
 
 
-def _randomise(module: torch.nn.Module, seed: int) -> None:
-    # AF3 "final"/"gating" inits are zero; random values make every term matter.
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5 + 0.1)
-
-
 def test_opm_matches_naive_loops():
     torch.manual_seed(7)
     mod = OuterProductMean(5, 3, 4).double()
-    _randomise(mod, 8)
+    randomize_parameters(mod, 8)
     B, S, N = 2, 4, 5
     m = torch.randn(B, S, N, 5, dtype=torch.float64)
     mask = (torch.rand(B, S, N) > 0.3).double()
@@ -69,7 +62,7 @@ def test_opm_names_init_and_masked_sequences():
     ]
     assert torch.count_nonzero(mod.proj_o.weight) == 0 and torch.count_nonzero(mod.proj_o.bias) == 0
     mod = mod.double()
-    _randomise(mod, 9)
+    randomize_parameters(mod, 9)
     m = torch.randn(1, 3, 4, 6, dtype=torch.float64)
     mask = torch.ones(1, 3, 4, dtype=torch.float64)
     mask[:, 2] = 0  # a fully masked sequence changes nothing, whatever it holds

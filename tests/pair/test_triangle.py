@@ -24,17 +24,10 @@ from twinshard.testing import (
     perturb_zero_parameters,
     random_grad_output,
     random_mask,
+    randomize_parameters,
     run_on_grid,
     synthetic,
 )
-
-
-def _randomise(module: torch.nn.Module, seed: int) -> None:
-    # AF3 "final"/"gating" inits are zero; random values make every term matter.
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5 + 0.1)
 
 
 def _naive_trimul(mod: TriangleMultiplication, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -71,7 +64,7 @@ def _naive_trimul(mod: TriangleMultiplication, z: torch.Tensor, mask: torch.Tens
 def test_trimul_matches_naive_loops(direction):
     torch.manual_seed(0)
     mod = TriangleMultiplication(6, direction, hidden=4).double()
-    _randomise(mod, 1)
+    randomize_parameters(mod, 1)
     z = torch.randn(2, 5, 5, 6, dtype=torch.float64)
     mask = (torch.rand(2, 5, 5) > 0.3).double()
     assert_close(mod(z, mask), _naive_trimul(mod, z, mask))
@@ -104,7 +97,7 @@ def test_incoming_contraction_is_outgoing_of_transpose():
 def test_trimul_masked_rows_do_not_contribute():
     torch.manual_seed(4)
     mod = TriangleMultiplicationOutgoing(4).double()
-    _randomise(mod, 5)
+    randomize_parameters(mod, 5)
     z = torch.randn(1, 6, 6, 4, dtype=torch.float64)
     mask = torch.ones(1, 6, 6, dtype=torch.float64)
     mask[:, :, 5] = 0  # column k = 5 dropped: changing z there must not move any output with j != 5
@@ -118,7 +111,7 @@ def test_trimul_masked_rows_do_not_contribute():
 
 def test_fp64_stays_fp64_and_fp32_accumulates():
     mod = TriangleMultiplicationOutgoing(4).double()
-    _randomise(mod, 6)
+    randomize_parameters(mod, 6)
     z = torch.randn(1, 3, 3, 4, dtype=torch.float64)
     a, _, _ = mod.project_in(z, None)
     assert a.dtype == torch.float64 and mod(z).dtype == torch.float64

@@ -16,7 +16,13 @@ from twinshard.testing.checks import (
     check_twin,
     parameter_signature,
 )
-from twinshard.testing.inputs import perturb_zero_parameters, random_grad_output, random_mask, synthetic
+from twinshard.testing.inputs import (
+    perturb_zero_parameters,
+    random_grad_output,
+    random_mask,
+    randomize_parameters,
+    synthetic,
+)
 from twinshard.testing.run import grid_id, run_on_grid, run_on_world
 
 __all__ = [
@@ -34,6 +40,7 @@ __all__ = [
     "perturb_zero_parameters",
     "random_grad_output",
     "random_mask",
+    "randomize_parameters",
     "run_on_grid",
     "run_on_world",
     "synthetic",

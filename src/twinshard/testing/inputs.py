@@ -41,3 +41,12 @@ def perturb_zero_parameters(module: nn.Module, seed: int = 99, scale: float = 0.
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * scale)
             names.append(name)
     return names
+
+
+@torch.no_grad()
+def randomize_parameters(module: nn.Module, seed: int, scale: float = 0.5, shift: float = 0.1) -> None:
+    """Overwrite every parameter with seeded ``shift + scale * N(0, 1)`` values: a reference test
+    against naive loops then exercises every term (AF3's zero and unit initialisations hide some)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.copy_((torch.randn(p.shape, generator=g, dtype=torch.float64) * scale + shift).to(p.dtype))
