@@ -20,6 +20,7 @@ def test_round_trip(tmp_path, fmt, name):
         # CIF stores cell lengths/angles (ASE re-orients the cell) and 4-5 digit fractions.
         torch.testing.assert_close(back.to_ase().cell.cellpar(), s.to_ase().cell.cellpar())
         d = back.scaled_positions() - s.scaled_positions()  # CIF also wraps into the cell
+        # derived, not loosened: CIF keeps 4-5 decimals of each fraction, so |d| <= 5e-5 < 1e-4
         torch.testing.assert_close(d - torch.round(d), torch.zeros_like(d), atol=1e-4, rtol=0)
     else:
         torch.testing.assert_close(back.positions, s.positions)

@@ -26,6 +26,7 @@ from twinshard.testing import (
     random_grad_output,
     random_mask,
     run_on_grid,
+    serial_reference,
     synthetic,
 )
 
@@ -134,19 +135,11 @@ def _check(shape, cases, kind, n, s, results):
         if case == "dropout_off":
             serial.drop.eval()
         x, mask = _inputs(kind, n, s)
-        x.requires_grad_(True)
-        y = serial(x) * mask[..., None]
-        g = random_grad_output(y)
-        y.backward(g)
         check_twin(
             what=f"{case} ({kind}, N={n})",
             grid=grid_id(shape),
-            serial_module=serial,
-            serial_out=y.detach(),
-            serial_grads_in={"x": x.grad},
-            serial_param_grads={k: p.grad for k, p in serial.named_parameters()},
             ranks=list(ranks),
-            grad_output=g,
+            **serial_reference(serial, lambda x, f=serial, m=mask: f(x) * m[..., None], {"x": x}),
         )
 
 

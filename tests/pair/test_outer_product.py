@@ -21,6 +21,7 @@ from twinshard.testing import (
     random_mask,
     randomize_parameters,
     run_on_grid,
+    serial_reference,
     synthetic,
 )
 
@@ -130,19 +131,11 @@ def _rank_opm(grid, b, s, n, bug=None):
 def _check(grid, b, s, n, ranks):
     serial = _serial_opm()
     m, mask = _inputs(b, s, n)
-    m.requires_grad_(True)
-    out = serial(m, mask)
-    g = random_grad_output(out, seed=4)
-    out.backward(g)
     check_twin(
         what=f"opm S={s} N={n} B={b}",
         grid=grid_id(grid),
-        serial_module=serial,
-        serial_out=out.detach(),
-        serial_grads_in={"m": m.grad},
-        serial_param_grads={k: v.grad for k, v in serial.named_parameters()},
         ranks=ranks,
-        grad_output=g,
+        **serial_reference(serial, lambda m: serial(m, mask), {"m": m}, grad_seed=4),
     )
 
 

@@ -26,6 +26,7 @@ from twinshard.testing import (
     random_mask,
     randomize_parameters,
     run_on_grid,
+    serial_reference,
     synthetic,
 )
 
@@ -193,19 +194,11 @@ def _rank_trimul(grid, directions, b, n, bug=None):
 def _check(grid, direction, b, n, ranks):
     serial = _serial_trimul(direction)
     z, mask = _inputs(b, n)
-    z.requires_grad_(True)
-    out = serial(z, mask)
-    g = random_grad_output(out, seed=2)
-    out.backward(g)
     check_twin(
         what=f"trimul-{direction} N={n} B={b}",
         grid=grid_id(grid),
-        serial_module=serial,
-        serial_out=out.detach(),
-        serial_grads_in={"z": z.grad},
-        serial_param_grads={k: v.grad for k, v in serial.named_parameters()},
         ranks=[r[direction] for r in ranks],
-        grad_output=g,
+        **serial_reference(serial, lambda z: serial(z, mask), {"z": z}, grad_seed=2),
     )
 
 

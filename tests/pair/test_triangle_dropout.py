@@ -26,6 +26,7 @@ from twinshard.testing import (
     random_grad_output,
     random_mask,
     run_on_grid,
+    serial_reference,
     synthetic,
 )
 
@@ -78,19 +79,11 @@ def test_residual_trimul_with_dropout_matches_serial(grid, n, direction, columnw
     ranks = run_on_grid(_rank, grid, n, direction, p, columnwise)
     tri, drop = _serial(direction, p, columnwise)
     z, mask = _inputs(n)
-    z.requires_grad_(True)
-    out = z + drop(tri(z, mask), seed=STEP)
-    g = random_grad_output(out, seed=5)
-    out.backward(g)
     check_twin(
         what=f"z + dropout(trimul-{direction}) p={p}",
         grid=grid_id(grid),
-        serial_module=tri,
-        serial_out=out.detach(),
-        serial_grads_in={"z": z.grad},
-        serial_param_grads={k: v.grad for k, v in tri.named_parameters()},
         ranks=ranks,
-        grad_output=g,
+        **serial_reference(tri, lambda z: z + drop(tri(z, mask), seed=STEP), {"z": z}, grad_seed=5),
     )
     if p > 0:  # the mask really dropped entries (else the "on" case would be the "off" case)
-        assert bool((drop.mask(out.shape, STEP, out.dtype) == 0).any())
+        assert bool((drop.mask(z.shape, STEP, z.dtype) == 0).any())

@@ -15,6 +15,7 @@ from twinshard.testing.checks import (
     assert_sharded,
     check_twin,
     parameter_signature,
+    serial_reference,
 )
 from twinshard.testing.inputs import (
     perturb_zero_parameters,
@@ -43,5 +44,6 @@ __all__ = [
     "randomize_parameters",
     "run_on_grid",
     "run_on_world",
+    "serial_reference",
     "synthetic",
 ]

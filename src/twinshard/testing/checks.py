@@ -291,3 +291,32 @@ def adjoint_pair(f: Any, x: torch.Tensor, seed: int, group: Any = None) -> tuple
     sums = torch.stack([(dy * y).sum(), (gx * x).sum()]).detach().to(torch.float64)
     dist.all_reduce(sums, group=group)
     return float(sums[0]), float(sums[1])
+
+
+def serial_reference(
+    module: nn.Module | None,
+    forward: Any,
+    inputs: Mapping[str, torch.Tensor],
+    grad_seed: int = 1234,
+    grad_output: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """Run the serial twin forward and backward (random grad_output) and return the keyword
+    arguments ``check_twin`` takes for the serial side: ``check_twin(..., **serial_reference(...))``.
+
+    ``forward(**leaves)`` computes the output from leaf copies of ``inputs`` (which get the input
+    gradients); ``module`` supplies the parameter gradients (None for a parameter-free op).
+    """
+    from twinshard.testing.inputs import random_grad_output
+
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items()}
+    out = forward(**leaves)
+    g = random_grad_output(out, seed=grad_seed) if grad_output is None else grad_output
+    out.backward(g)
+    params = {} if module is None else {k: p.grad for k, p in module.named_parameters()}
+    return {
+        "serial_module": module,
+        "serial_out": out.detach(),
+        "serial_grads_in": {k: v.grad for k, v in leaves.items()},
+        "serial_param_grads": params,
+        "grad_output": g,
+    }

@@ -19,7 +19,7 @@ from torch import nn
 
 from twinshard import comm
 from twinshard.runtime import ProcessGrid
-from twinshard.testing.checks import TwinResult, parameter_signature
+from twinshard.testing.checks import TwinResult, parameter_signature, serial_reference
 from twinshard.testing.inputs import random_grad_output, synthetic
 
 BUGS = ("missing_grad_reduce", "transposed_tile", "replicated_input", "raise_on_rank_1")
@@ -116,17 +116,8 @@ def serial_example(
     if zero_param:
         with torch.no_grad():
             model.linear_2.weight.zero_()
-    z = synthetic(n, n, c, seed=1).requires_grad_(True)
     gy = torch.ones(n, n, c, dtype=torch.float64) if uniform_grad else random_grad_output((n, n, c), seed=2)
-    y = model(z)
-    y.backward(gy)
-    return {
-        "serial_module": model,
-        "serial_out": y.detach(),
-        "serial_grads_in": {"z": z.grad},
-        "serial_param_grads": {k: v.grad for k, v in model.named_parameters()},
-        "grad_output": gy,
-    }
+    return serial_reference(model, model, {"z": synthetic(n, n, c, seed=1)}, grad_output=gy)
 
 
 def _max_over_ranks(value: float) -> float:
