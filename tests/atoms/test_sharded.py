@@ -13,7 +13,7 @@ from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
 from twinshard.runtime import RankFailure
 from twinshard.tensors.rng import normal
-from twinshard.testing import assert_parity, assert_replicated, assert_sharded, run_on_world
+from twinshard.testing import assert_parity, assert_replicated, assert_shards_cover, rows_of, run_on_world
 
 CUTOFF, SKIN = 6.0, 0.5
 
@@ -93,7 +93,8 @@ def test_scatter_gather_roundtrip(nranks, src, partition, dtype):
         assert (out["gathered"] is None) == (r != src)
     _same_system(res[src]["gathered"], full)
     assert_replicated([out["cell"] for out in res], "cell")
-    assert_sharded([out["ids"] for out in res], "owned ids", full.n_atoms)
+    pieces = [(o["ids"], rows_of(o["ids"], full.ids)) for o in res]
+    assert_shards_cover(pieces, full.ids, "owned ids", disjoint=True)
     ids = torch.cat([out["ids"] for out in res])
     assert ids.numel() == full.n_atoms and torch.unique(ids).numel() == full.n_atoms
 
