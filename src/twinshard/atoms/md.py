@@ -16,6 +16,16 @@ supplies its own.
 Units are ASE's (eV, Angstrom, amu); ``dt`` is given in femtoseconds, friction
 in 1/fs, temperature in K. Positions are never wrapped during a run (neighbour
 shifts follow the unwrapped coordinates); wrap on output if needed.
+
+Restart: :func:`simulate` can write a checkpoint every K steps (the whole system
+gathered on rank 0, written atomically by :func:`save_checkpoint`) and continue a
+run from one (``start_step``, ``heat``): step ``s`` always draws the noise of step
+``s``, so an interrupted and resumed run, at any rank count, equals the
+uninterrupted one to round-off. A checkpoint holds positions, velocities, ids,
+numbers, masses, cell, pbc and extra per-atom arrays (not ``info``), the step,
+the integrator's settings (the thermostat state) and the RNG position (seed,
+stream, next step) plus the bath heat so far; it loads with
+``torch.load(weights_only=True)`` (:func:`load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +58,11 @@ __all__ = [
     "SerialEngine",
     "ThermoLog",
     "simulate",
+    "save_checkpoint",
+    "load_checkpoint",
+    "checkpoint_state",
+    "CHECKPOINT_FORMAT",
+    "check_restart",
 ]
 
 LANGEVIN_STREAM = 0x4C414E47  # "LANG": Langevin noise stream of the counter-based RNG
@@ -118,6 +134,10 @@ class VelocityVerlet:
         v = velocities + (0.5 * self.dt) * forces / masses[:, None]
         return v, torch.zeros((), dtype=velocities.dtype, device=velocities.device)
 
+    def state(self) -> dict[str, Any]:
+        """The settings a restart must match (plain values, stored in checkpoints)."""
+        return {"kind": "nve", "dt_fs": self.dt_fs}
+
 
 class Langevin(VelocityVerlet):
     """Langevin dynamics, BAOAB splitting (Leimkuhler and Matthews, 2013).
@@ -169,6 +189,15 @@ class Langevin(VelocityVerlet):
         heat = kinetic_energy(v_new, masses) - kinetic_energy(v, masses)
         x = x + (0.5 * self.dt) * v_new
         return x, v_new, heat
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "kind": "langevin",
+            "dt_fs": self.dt_fs,
+            "temperature": self.temperature,
+            "friction": self.friction,
+            "seed": self.seed,
+        }
 
 
 class Engine(Protocol):
@@ -244,8 +273,29 @@ class ThermoLog:
 
     COLUMNS = ("step", "time_fs", "potential", "kinetic", "temperature", "conserved")
 
+    def resume(self, step: int) -> None:
+        """Continue the file of a run restarted at ``step``: keep its header and the rows up to
+        ``step`` (rows a killed run wrote after its last checkpoint are dropped); the next
+        :meth:`add` appends."""
+        self._resumed = True
+        if self.path is None or not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            lines = f.read().splitlines()
+        keep = [
+            ln for ln in lines if ln.startswith("#") or (ln.split() and int(float(ln.split()[0])) <= step)
+        ]
+        with open(self.path, "w") as f:
+            f.write("".join(ln + "\n" for ln in keep))
+
     def add(
-        self, step: int, time_fs: float, potential: float, kinetic: float, conserved: float
+        self,
+        step: int,
+        time_fs: float,
+        potential: float,
+        kinetic: float,
+        conserved: float,
+        write: bool = True,
     ) -> dict[str, float]:
         temp = 2.0 * kinetic / (3.0 * self.n_atoms * units.kB) if self.n_atoms else 0.0
         row = {
@@ -257,8 +307,9 @@ class ThermoLog:
             "conserved": conserved,
         }
         self.rows.append(row)
-        if self.path is not None:
-            new = len(self.rows) == 1
+        if self.path is not None and write:
+            new = len(self.rows) == 1 and not getattr(self, "_resumed", False)
+            new = new or not os.path.exists(self.path)
             with open(self.path, "w" if new else "a") as f:
                 if new:
                     f.write("# " + " ".join(self.COLUMNS) + "\n")
@@ -282,28 +333,57 @@ def simulate(
     trajectory_every: int = 10,
     progress: bool = False,
     callback: Callable[[int, Engine], None] | None = None,
+    start_step: int = 0,
+    heat: float = 0.0,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 0,
 ) -> dict[str, Any]:
-    """Run ``steps`` MD steps; every rank calls it with its own engine.
+    """Run MD from step ``start_step`` up to step ``steps``; every rank calls it with its engine.
 
-    Step ``s`` (1-based) uses noise keys ``step = s``. Thermo rows are written
-    every ``thermo_every`` steps (and at step 0); a trajectory frame (extxyz,
-    gathered on rank 0) every ``trajectory_every`` steps. The global sums
-    (energies, heat) are issued on every rank at the same steps, so all ranks
-    reach the same collectives. Returns ``{"thermo": ThermoLog, "seconds":
-    float, "energy": final potential energy}``.
+    Step ``s`` (1-based) uses noise keys ``step = s``, so a run restarted at
+    ``start_step`` (with the bath ``heat`` exchanged so far, both from
+    :func:`load_checkpoint`) continues the uninterrupted run's noise. Thermo rows
+    are written every ``thermo_every`` steps (and at the start; a restart keeps the
+    file's rows up to ``start_step`` and appends); a trajectory frame (extxyz,
+    gathered on rank 0) every ``trajectory_every`` steps; a checkpoint (gathered on
+    rank 0, written atomically) every ``checkpoint_every`` steps and at the last
+    step. The global sums (energies, heat) and gathers are issued on every rank at
+    the same steps, so all ranks reach the same collectives. Returns ``{"thermo":
+    ThermoLog, "seconds": float, "energy": final potential energy, "forces": final
+    forces on the local atoms, "heat": bath heat of the whole run (global, eV),
+    "step": last step}``.
     """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    if not 0 <= start_step <= steps:
+        raise ValueError(
+            f"the run restarts at step {start_step} but --steps is {steps}: steps counts the whole "
+            "run, so give a total larger than the checkpoint's step"
+        )
+    if checkpoint is not None and checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
     log = ThermoLog(engine.n_atoms, path=thermo_path if engine.rank == 0 else None)
+    if start_step > 0:
+        log.resume(start_step)
     # Heat this rank's atoms exchanged with the bath so far; summed over ranks only when logged
-    # (a sum of local sums), so a thermostat adds no collective to unlogged steps.
-    heat_local = torch.zeros((), dtype=engine.positions.dtype)
+    # (a sum of local sums), so a thermostat adds no collective to unlogged steps. A restart
+    # carries the global sum so far on rank 0.
+    heat_local = torch.full(
+        (), float(heat) if engine.rank == 0 else 0.0, dtype=engine.positions.dtype, device=engine.positions.device
+    )
 
-    def record(step: int, energy: torch.Tensor) -> None:
+    def global_sums() -> tuple[float, float]:
         local = torch.stack([kinetic_energy(engine.velocities, engine.masses), heat_local])
-        k, heat = engine.reduce_sum(local).tolist()  # one collective for both sums
+        k, h = engine.reduce_sum(local).tolist()  # one collective for both sums
+        return k, h
+
+    last_heat = [float(heat)]
+
+    def record(step: int, energy: torch.Tensor, write: bool = True) -> None:
+        k, h = global_sums()
+        last_heat[0] = h
         e = float(energy)
-        log.add(step, step * integrator.dt_fs, e, k, e + k - heat)
+        log.add(step, step * integrator.dt_fs, e, k, e + k - h, write=write)
 
     def write_frame(step: int, energy: torch.Tensor) -> None:
         frame = engine.gather()  # a collective in a distributed run: every rank calls it
@@ -312,29 +392,39 @@ def simulate(
 
             write(trajectory, frame, format="extxyz", append=step > 0, energy=float(energy))
 
+    def write_checkpoint(step: int) -> None:
+        _, h = global_sums()  # collective
+        frame = engine.gather()  # collective
+        if frame is not None and engine.rank == 0:
+            save_checkpoint(checkpoint, checkpoint_state(frame, step, integrator, h))
+
     energy, forces = engine.compute()
-    record(0, energy)
-    if trajectory is not None:
+    # a restart's first row was logged by the run that wrote the checkpoint: keep it in memory
+    # (the drift figures start there) but do not write it twice
+    record(start_step, energy, write=start_step == 0)
+    if trajectory is not None and start_step == 0:
         write_frame(0, energy)
     bar = None
     if progress and engine.rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, desc="md", unit="step")
+        bar = tqdm(total=steps, initial=start_step, desc="md", unit="step")
     t0 = time.perf_counter()
-    for step in range(1, steps + 1):
-        x, v, heat = integrator.first(
+    for step in range(start_step + 1, steps + 1):
+        x, v, dheat = integrator.first(
             engine.positions, engine.velocities, forces, engine.masses, engine.ids, step
         )
         engine.set_state(x, v, moved=True)
         energy, forces = engine.compute()
-        v, heat2 = integrator.second(engine.velocities, forces, engine.masses, engine.ids, step)
+        v, dheat2 = integrator.second(engine.velocities, forces, engine.masses, engine.ids, step)
         engine.set_state(engine.positions, v, moved=False)
-        heat_local = heat_local + (heat + heat2)
+        heat_local = heat_local + (dheat + dheat2)
         if step % thermo_every == 0 or step == steps:
             record(step, energy)
         if trajectory is not None and step % trajectory_every == 0:
             write_frame(step, energy)
+        if checkpoint is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
+            write_checkpoint(step)
         if callback is not None:
             callback(step, engine)
         if bar is not None:
@@ -344,4 +434,129 @@ def simulate(
     seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    return {"thermo": log, "seconds": seconds, "energy": float(energy)}
+    return {
+        "thermo": log,
+        "seconds": seconds,
+        "energy": float(energy),
+        "forces": forces,
+        "heat": last_heat[0],  # the last step is always logged
+        "step": steps,
+    }
+
+
+# ------------------------------------------------------------------------ checkpoints
+
+CHECKPOINT_FORMAT = "twinshard.md.checkpoint"
+CHECKPOINT_VERSION = 1
+
+
+def checkpoint_state(system: System, step: int, integrator: VelocityVerlet, heat: float) -> dict[str, Any]:
+    """The checkpoint of ``system`` (the whole system, ordered by id) after ``step``.
+
+    Plain values and tensors only, so it loads with ``torch.load(weights_only=True)``.
+    The RNG is counter-based (keyed by seed, stream, atom id, step, component): its
+    position is the next step to draw.
+    """
+    integ = integrator.state()
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "step": int(step),
+        "time_fs": float(step * integrator.dt_fs),
+        "heat": float(heat),
+        "integrator": integ,
+        "rng": {
+            "generator": "twinshard.tensors.rng (counter-based)",
+            "seed": int(integ.get("seed", 0)),
+            "stream": LANGEVIN_STREAM,
+            "next_step": int(step) + 1,
+        },
+        "system": {
+            "positions": system.positions.detach().cpu(),
+            "velocities": system.velocities.detach().cpu(),
+            "ids": system.ids.cpu(),
+            "numbers": system.numbers.cpu(),
+            "masses": system.masses.detach().cpu(),
+            "cell": system.cell.detach().cpu(),
+            "pbc": system.pbc.cpu(),
+            "arrays": {k: v.detach().cpu() for k, v in system.arrays.items()},
+        },
+    }
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically: a temporary file in the same directory,
+    flushed and fsynced, then ``os.replace`` (and the directory fsynced). A process
+    killed at any point leaves either the previous file or the new one, never a torn
+    one (a killed writer may leave a ``.tmp`` file beside it, which loading ignores)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:  # make the rename itself durable; not every platform/filesystem allows it
+        dfd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint (``torch.load(weights_only=True)``); ``"system"`` becomes a System.
+
+    Raises ValueError naming the file if it is missing or not a twinshard MD checkpoint.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {path!r} does not exist; give the file written by --checkpoint")
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # torn/foreign files raise many types: one clear error
+        raise ValueError(f"checkpoint {path!r} cannot be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path!r} is not a twinshard MD checkpoint (written by twinshard md --checkpoint)")
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(
+            f"checkpoint {path!r} has version {state.get('version')}, expected {CHECKPOINT_VERSION}"
+        )
+    f = state["system"]
+    state = dict(state)
+    state["system"] = System(
+        positions=f["positions"],
+        numbers=f["numbers"],
+        cell=f["cell"],
+        pbc=f["pbc"],
+        masses=f["masses"],
+        velocities=f["velocities"],
+        ids=f["ids"],
+        arrays=dict(f["arrays"]),
+    )
+    return state
+
+
+def check_restart(state: dict[str, Any], integrator: VelocityVerlet, path: str = "the checkpoint") -> None:
+    """Raise ValueError if ``integrator`` differs from the one that wrote ``state`` (a resumed
+    run must integrate with the same settings to continue the same trajectory)."""
+    saved, now = state["integrator"], integrator.state()
+    diff = {
+        k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
+    }
+    if diff:
+        text = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(
+            f"{path} was written with other integrator settings ({text}); restart with the same "
+            "--thermostat/--dt/--temperature/--friction/--seed"
+        )

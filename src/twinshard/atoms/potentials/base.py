@@ -22,9 +22,18 @@ atoms (serially: all atoms are owned, no halo):
 The energy of a block is ``per_atom[:n_owned].sum()``; summed over ranks it is
 the total energy with every edge and every atom counted exactly once (a pair
 potential gives each directed edge 1/2 of the pair energy). Forces are
-``-dE/dpositions`` by autograd; stress is ``(1/V) dE/d(strain)`` for a
-symmetric strain applied to positions and shifts alike (ASE's sign convention:
-positive = tensile). Energies keep the dtype of the positions (fp64 stays fp64).
+``-dE/dpositions`` by autograd. Energies keep the dtype of the positions (fp64
+stays fp64).
+
+Stress and virial, one sign convention for the whole package (serial evaluator,
+distributed evaluator, MD results, ASE calculator): for a symmetric strain
+``eps`` applied to positions and shifts alike (``x -> x (I + eps)``),
+
+    stress = (1/V) dE/d(eps)       (eV/A^3; ASE's sign: positive = tensile)
+    virial = -dE/d(eps) = -V stress  (eV; = sum over pairs of r_ij (x) f_ij)
+
+Both are ``[3, 3]``; the virial exists for any box, the stress only for a cell
+with a volume (``None`` for an open box without one).
 """
 
 from __future__ import annotations
@@ -124,12 +133,14 @@ class Potential(nn.Module):
 
 
 class Results(NamedTuple):
-    """Energy (scalar tensor), per-atom energies [n], forces [n, 3], stress [3, 3] or None."""
+    """Energy (scalar tensor), per-atom energies [n], forces [n, 3], stress [3, 3] or None,
+    virial [3, 3] or None (see the module docstring for the sign convention)."""
 
     energy: torch.Tensor
     per_atom: torch.Tensor
     forces: torch.Tensor
     stress: torch.Tensor | None
+    virial: torch.Tensor | None = None
 
 
 def graph_from_system(system: System, cutoff: float, edges: Edges | None = None) -> Graph:
@@ -159,16 +170,17 @@ def strained(graph: Graph, strain: torch.Tensor) -> Graph:
 def energy_forces_stress(
     potential: nn.Module, graph: Graph, volume: float | None, compute_stress: bool = True
 ) -> Results:
-    """Energy of the owned atoms, forces on every row, and stress (if ``volume``).
+    """Energy of the owned atoms, forces on every row, virial and stress (if ``volume``).
 
     The positions in ``graph`` are detached and made a leaf here; the forces
     returned for halo rows (if any) are partial and belong to their owners.
+    ``compute_stress``: also the virial (any box) and the stress (a box with a volume).
     """
     dtype = graph.positions.dtype
     pos = graph.positions.detach().requires_grad_(True)
     strain = torch.zeros(3, 3, dtype=dtype, device=pos.device, requires_grad=True)
     g = replace(graph, positions=pos)
-    want_stress = compute_stress and volume is not None and volume > 0
+    want_stress = compute_stress
     if want_stress:
         g = strained(g, strain)
     per_atom = potential(g)
@@ -181,11 +193,13 @@ def energy_forces_stress(
     inputs = [pos, strain] if want_stress else [pos]
     grads = torch.autograd.grad(energy, inputs, allow_unused=True)
     forces = -grads[0] if grads[0] is not None else torch.zeros_like(pos)
-    stress = None
+    stress = virial = None
     if want_stress:
-        dstrain = grads[1] if grads[1] is not None else torch.zeros_like(strain)
-        stress = dstrain.detach() / volume
-    return Results(energy.detach(), per_atom.detach(), forces.detach(), stress)
+        dstrain = (grads[1] if grads[1] is not None else torch.zeros_like(strain)).detach()
+        virial = -dstrain
+        if volume is not None and volume > 0:
+            stress = dstrain / volume
+    return Results(energy.detach(), per_atom.detach(), forces.detach(), stress, virial)
 
 
 def evaluate(
@@ -194,7 +208,7 @@ def evaluate(
     edges: Edges | VerletList | None = None,
     compute_stress: bool = True,
 ) -> Results:
-    """Serial energy, per-atom energies, forces and stress of a whole system.
+    """Serial energy, per-atom energies, forces, stress and virial of a whole system.
 
     ``edges`` may be a prebuilt list (built with at least the potential's
     cutoff) or a :class:`VerletList` that is updated here. Stress is ``None``

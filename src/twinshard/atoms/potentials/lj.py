@@ -2,9 +2,10 @@
 
     phi_ab(r) = 4 eps_ab [(sig_ab / r)^12 - (sig_ab / r)^6] - phi_ab(r_c),  r < r_c
 
-with ``sig_ab = (sig_a + sig_b) / 2`` and ``eps_ab = sqrt(eps_a eps_b)``; the
-energy is shifted to zero at the cutoff (the force jumps there, as in ASE's
-``LennardJones(smooth=False)``). Each directed edge j->i adds ``phi / 2`` to
+with ``sig_ab = (sig_a + sig_b) / 2`` and ``eps_ab = sqrt(eps_a eps_b)``; by
+default the energy is shifted to zero at the cutoff (the force jumps there, as in
+ASE's ``LennardJones(smooth=False)``); ``shift=False`` truncates without the
+shift (the energy then jumps at the cutoff). Each directed edge j->i adds ``phi / 2`` to
 atom i, so a pair is counted once over both directions.
 """
 
@@ -28,6 +29,7 @@ class LennardJones(Potential):
     Args:
         parameters: ``{atomic_number: (epsilon_eV, sigma_A)}``; default argon.
         cutoff: absolute cutoff in Angstrom; default ``2.5 * max(sigma)``.
+        shift: subtract ``phi_ab(r_c)`` so the energy is continuous at the cutoff.
         dtype: dtype of the parameters (computation runs in the promoted dtype
             of parameters and positions, so fp64 positions give fp64 energies).
 
@@ -41,8 +43,10 @@ class LennardJones(Potential):
         parameters: Mapping[int, tuple[float, float]] | None = None,
         cutoff: float | None = None,
         dtype: torch.dtype = torch.float64,
+        shift: bool = True,
     ) -> None:
         super().__init__()
+        self.shift = bool(shift)
         params = dict(parameters or _ARGON)
         species = sorted(int(z) for z in params)
         if not species:
@@ -57,7 +61,7 @@ class LennardJones(Potential):
         self.cutoff = float(cutoff if cutoff is not None else 2.5 * max(p[1] for p in params.values()))
 
     def extra_repr(self) -> str:
-        return f"species={self.species}, cutoff={self.cutoff}"
+        return f"species={self.species}, cutoff={self.cutoff}, shift={self.shift}"
 
     def forward(self, graph: Graph) -> torch.Tensor:
         pos = graph.positions
@@ -76,7 +80,7 @@ class LennardJones(Potential):
         # Edges beyond the cutoff (skin) get a safe r2 so no inf/NaN reaches autograd.
         r2 = torch.where(inside, r2, torch.full_like(r2, rc2))
         s6 = (sig_ij**2 / r2) ** 3
-        s6c = (sig_ij**2 / rc2) ** 3
+        s6c = (sig_ij**2 / rc2) ** 3 if self.shift else torch.zeros_like(s6)
         phi = 4.0 * eps_ij * ((s6 * s6 - s6) - (s6c * s6c - s6c))
         phi = torch.where(inside, phi, torch.zeros_like(phi))
         out = torch.zeros(n, dtype=dtype, device=pos.device)
