@@ -23,6 +23,36 @@ With ``src=None`` every rank holds the same full features and slices its tiles
 ``None``): rank k broadcasts the metadata and sends each rank its tiles point to
 point, so no other rank ever holds a full tensor. Input errors (unknown names,
 inconsistent sizes) raise on every rank together.
+
+The layout travels with the tensors. Every DTensor that ``distribute`` or
+``shard_tensor`` returns carries its ``PairLayout`` and kind (read it with
+:func:`layout_of` / :func:`layout_kind`), and every CP twin in
+``twinshard.pair.layers`` passes its input's layout on to its outputs. So a user
+who never heard of padding gets the serial answer on any N:
+
+- a mixing twin (triangle multiplication, outer product mean) called with
+  ``mask=None`` derives the padding mask from the layout; a given mask is
+  multiplied by it (padding can never count);
+- every twin's output has its padded entries EXACTLY zero, so residual sums of
+  twin outputs and distributed inputs (padded with zeros) stay inert;
+- a plain DTensor op (``z + layer(z)``, ``z.detach()``) returns a DTensor
+  without the layout (torch does not carry Python attributes through ops). A
+  token-local twin (linear, layer norm, transition, dropout) is exact on real
+  entries whatever the padding holds, so it runs and returns a tensor without a
+  layout; a mixing twin given such a tensor and no mask RAISES (the same error
+  on every rank: the check reads metadata every rank holds alike) and says how
+  to fix it: ``with_layout(z + layer(z), z)`` (which also zeroes the padding)
+  or ``pointwise(lambda a, b: a + b, z, layer(z))`` from ``pair.layers``, which
+  keeps the first argument's layout. Nothing falls back to "no padding".
+
+Gradients. With ``src=None`` the tiles are slices of each rank's own full
+tensors: a rank's ``x.grad`` holds the gradient of its own tile only (zeros
+elsewhere). :func:`collect_grad` sums these partial gradients over the mesh
+axes along which the kind is sharded (not along replicated ones, where every
+rank holds the same tile and the same gradient), giving every rank the full
+gradient. With ``src=k`` data moves point to point without autograd; rather
+than drop gradients silently, ``distribute`` raises on every rank when rank
+k's features require grad.
 """
 
 from __future__ import annotations
@@ -49,6 +79,9 @@ from twinshard.tensors.dtensor import (
     pad_dim,
     padded_sequences,
     padded_tokens,
+    real_tile,
+    reduction_axes,
+    tile_slices,
     unpad,
 )
 
@@ -61,9 +94,16 @@ __all__ = [
     "PairLayout",
     "ShardedFeatures",
     "collect",
+    "collect_grad",
     "collect_tensor",
     "distribute",
+    "layout_kind",
+    "layout_of",
+    "padding_keep",
+    "real_part",
     "shard_tensor",
+    "with_layout",
+    "zero_padding",
 ]
 
 TOKEN_MASK, PAIR_MASK, MSA_MASK = "token_pad_mask", "pair_mask", "msa_mask"
@@ -183,6 +223,172 @@ class ShardedFeatures(dict):
     def __init__(self, items: Mapping[str, DTensor], layout: PairLayout):
         super().__init__(items)
         self.layout = layout
+
+
+# -- the layout that travels with a DTensor -----------------------------------------------------
+
+_ATTR = "_twinshard_layout"  # (PairLayout, kind) on a DTensor; plain DTensor ops drop it
+
+
+def layout_of(x: object) -> PairLayout | None:
+    """The ``PairLayout`` attached to ``x`` (by ``distribute``, ``shard_tensor``, a CP twin or
+    :func:`with_layout`), or None: plain DTensor ops (``a + b``, ``.detach()``) drop it."""
+    got = getattr(x, _ATTR, None)
+    return None if got is None else got[0]
+
+
+def layout_kind(x: object) -> str | None:
+    """The kind (``single``, ``pair``, ``msa``, ``sample``) attached with ``x``'s layout, or None."""
+    got = getattr(x, _ATTR, None)
+    return None if got is None else got[1]
+
+
+def _real_shape(shape: tuple[int, ...], layout: PairLayout, kind: str) -> tuple[int, ...]:
+    real = list(shape)
+    for d in _TOKEN_DIMS[kind]:
+        real[d] = layout.n_tokens
+    if kind in _SEQ_DIM:
+        real[_SEQ_DIM[kind]] = layout.n_seqs  # type: ignore[assignment]
+    return tuple(real)
+
+
+def _check_fits(x: DTensor, layout: PairLayout, kind: str, what: str) -> None:
+    """``x`` is a DTensor of ``kind`` whose padded sizes are ``layout``'s (metadata only)."""
+    if kind not in KINDS:
+        raise ValueError(f"{what}: unknown kind {kind!r}; choose one of {list(KINDS)}")
+    check_placements(x, KINDS[kind], what)
+    if tuple(x.device_mesh.shape) != tuple(layout.grid_shape):
+        raise ValueError(
+            f"{what} lives on a {tuple(x.device_mesh.shape)} grid, its layout on {layout.grid_shape}"
+        )
+    need = 1 + len(_TOKEN_DIMS[kind]) + (1 if kind in _SEQ_DIM else 0)
+    if x.ndim < need:
+        raise ValueError(f"{what}: a {kind} tensor needs >= {need} dims, got shape {tuple(x.shape)}")
+    if kind in _SEQ_DIM and (layout.s_padded is None or layout.n_seqs is None):
+        raise ValueError(
+            f"{what}: an MSA tensor needs a layout with an MSA depth (PairLayout.for_sizes(n_seqs=))"
+        )
+    bad = [d for d in _TOKEN_DIMS[kind] if x.shape[d] != layout.n_padded]
+    if kind in _SEQ_DIM and x.shape[_SEQ_DIM[kind]] != layout.s_padded:
+        bad.append(_SEQ_DIM[kind])
+    if bad:
+        raise ValueError(
+            f"{what} has shape {tuple(x.shape)}, but a {kind} tensor of this layout has "
+            f"{layout.n_padded} padded tokens (N = {layout.n_tokens})"
+            + (
+                ""
+                if kind not in _SEQ_DIM
+                else f" and {layout.s_padded} padded sequences (S = {layout.n_seqs})"
+            )
+        )
+
+
+def _attach(x: DTensor, layout: PairLayout, kind: str) -> DTensor:
+    setattr(x, _ATTR, (layout, kind))
+    return x
+
+
+def padding_keep(x: DTensor, layout: PairLayout, kind: str) -> torch.Tensor | None:
+    """Bool ``[1, *tile dims]`` of ``x``'s local tile (batch and trailing dims broadcast): True on
+    real entries, False on padding; None when this tile holds no padding (nothing to mask)."""
+    if kind == "sample":
+        return None
+    real = _real_shape(tuple(x.shape), layout, kind)
+    glob = tile_slices(tuple(x.shape), x.device_mesh, x.placements)
+    dims = sorted(set(_TOKEN_DIMS[kind]) | ({_SEQ_DIM[kind]} if kind in _SEQ_DIM else set()))
+    if all(glob[d].stop <= real[d] for d in dims):
+        return None
+    keep = torch.ones((1,) * (1 + len(dims)), dtype=torch.bool, device=x.device)
+    for i, d in enumerate(dims, start=1):
+        idx = torch.arange(glob[d].start, glob[d].stop, device=x.device) < real[d]
+        keep = keep & idx.view((1,) * i + (-1,) + (1,) * (len(dims) - i))
+    return keep
+
+
+def zero_padding(x: DTensor, layout: PairLayout, kind: str) -> DTensor:
+    """``x`` with its padded entries set to exactly zero (no communication; differentiable).
+
+    ``masked_fill``, not a product, so junk that is inf or NaN on padding is cleared too."""
+    keep = padding_keep(x, layout, kind)
+    if keep is None:
+        return x
+    local = x.to_local()
+    keep = keep.view(tuple(keep.shape) + (1,) * (local.ndim - keep.ndim))
+    return from_local(local.masked_fill(~keep, 0), x.device_mesh, x.placements)
+
+
+def with_layout(x: DTensor, layout: PairLayout | DTensor, kind: str | None = None) -> DTensor:
+    """``x`` with ``layout`` attached and its padding zeroed: after a plain DTensor op, e.g.
+    ``z = with_layout(z + layer(z), z)``. ``layout`` is a ``PairLayout`` or a DTensor that
+    carries one (its kind is taken too). ``kind`` is needed only where it is ambiguous (pair
+    and MSA tensors share placements). Raises if the sizes do not fit the layout."""
+    if isinstance(layout, DTensor):
+        like = layout
+        layout, like_kind = layout_of(like), layout_kind(like)  # type: ignore[assignment]
+        if layout is None:
+            raise ValueError(
+                "with_layout(x, like): `like` carries no PairLayout either; pass the PairLayout "
+                "(e.g. ShardedFeatures.layout from distribute)"
+            )
+        kind = kind or like_kind
+    if not isinstance(layout, PairLayout):
+        raise TypeError(
+            f"with_layout needs a PairLayout or a DTensor carrying one, got {type(layout).__name__}"
+        )
+    if kind is None:
+        kind = _infer_kind(x, layout)
+    _check_fits(x, layout, kind, "with_layout")
+    return _attach(zero_padding(x, layout, kind), layout, kind)
+
+
+def _infer_kind(x: DTensor, layout: PairLayout) -> str:
+    pl = tuple(x.placements)
+    if pl == SAMPLE:
+        return "sample"
+    if pl == SINGLE:
+        return "single"
+    fits_pair = x.ndim >= 3 and x.shape[1] == x.shape[2] == layout.n_padded
+    fits_msa = layout.s_padded is not None and x.ndim >= 3 and x.shape[1] == layout.s_padded
+    fits_msa = fits_msa and x.shape[2] == layout.n_padded
+    if fits_pair != fits_msa:
+        return "pair" if fits_pair else "msa"
+    raise ValueError(f"with_layout: say kind='pair' or kind='msa' for a tensor of shape {tuple(x.shape)}")
+
+
+def real_part(
+    x: DTensor, layout: PairLayout | None = None, kind: str | None = None
+) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's real (unpadded) block of ``x`` and where it sits in the unpadded full tensor:
+    ``(local, index)`` with ``full[index] == local`` (index: one slice per dim). The sharding
+    evidence of a parity test (``TwinResult.shards``). Layout and kind default to ``x``'s."""
+    layout = layout or layout_of(x)
+    kind = kind or layout_kind(x)
+    if layout is None or kind is None:
+        raise ValueError("real_part needs the PairLayout and kind of x (none is attached: pass them)")
+    _check_fits(x, layout, kind, "real_part")
+    local = x.to_local()
+    return real_tile(local, x.device_mesh, x.placements, _real_shape(tuple(x.shape), layout, kind))
+
+
+def collect_grad(grad: torch.Tensor, kind: str, grid: ProcessGrid) -> torch.Tensor:
+    """The full gradient of a feature distributed with ``src=None``, from each rank's ``x.grad``.
+
+    Each rank's gradient holds its own tile only (its tiles are slices of its own copy). The
+    sum runs over the mesh axes along which ``kind`` is sharded: along a replicated axis the
+    ranks hold the same tile and the same (replicated) gradient, and summing there would count
+    it once per rank. Collective: one all-reduce (>= fp32) over those axes; every rank returns
+    the same full gradient.
+    """
+    axes = reduction_axes(KINDS[kind])
+    if not axes or grid.size == 1:
+        return grad.clone()
+    if len(axes) == grid.ndim:
+        if grid.size != dist.get_world_size():
+            raise ValueError("collect_grad: the pair grid must span the whole world")
+        group = None
+    else:
+        group = grid.mesh.get_group(axes[0])
+    return P.all_reduce(grad, group, op="features.collect_grad")
 
 
 def _kind_of(name: str, kinds: Mapping[str, str] | None) -> str:
@@ -311,9 +517,19 @@ def distribute(
         except Exception as exc:  # reported together below
             err = exc
     if src is not None:
-        box = [meta]
+        # Whether rank src's features need gradients travels with the metadata, so every rank
+        # raises together: the point-to-point scatter moves data, not gradients.
+        needs_grad = holds_data and features is not None and any(v.requires_grad for v in features.values())
+        box = [(meta, needs_grad)]
         dist.broadcast_object_list(box, src=src)
-        meta = box[0]
+        meta, needs_grad = box[0]
+        if err is None and needs_grad:
+            err = ValueError(
+                f"distribute(src={src}) scatters data without autograd, but rank {src}'s features "
+                "require grad and their gradients would be dropped: pass src=None with the same "
+                "features on every rank (then sum each rank's partial x.grad with collect_grad), "
+                "or detach them"
+            )
     elif grid.size > 1:  # every rank claims to hold the same features: check, don't trust
         sigs: list = [None] * grid.size
         dist.all_gather_object(sigs, None if meta is None else sorted(meta.items(), key=str))
@@ -369,7 +585,7 @@ def distribute(
                 meta[k][1] if k in meta else mdt,
                 meta,
             )
-        out[k] = from_local(local, grid, pl)
+        out[k] = _attach(from_local(local, grid, pl), layout, all_kinds[k])
     return ShardedFeatures(out, layout)
 
 
@@ -389,13 +605,8 @@ def _scatter_tiles(
         sends = []
         mine = None
         for r in range(grid.size):
-            coords = grid.coords_of(r)
-            idx = [slice(None)] * full.ndim  # type: ignore[union-attr]
-            for a, p in enumerate(placements):
-                if hasattr(p, "dim"):
-                    b = full.shape[p.dim] // grid.shape[a]  # type: ignore[union-attr]
-                    idx[p.dim] = slice(coords[a] * b, (coords[a] + 1) * b)
-            tile = full[tuple(idx)].detach().to(wire).contiguous()  # type: ignore[index]
+            idx = tile_slices(full.shape, grid, placements, grid.coords_of(r))  # type: ignore[union-attr]
+            tile = full[idx].detach().to(wire).contiguous()  # type: ignore[index]
             if r == src:
                 mine = tile
             else:
@@ -427,10 +638,11 @@ def _padded_shape(
 def shard_tensor(x: torch.Tensor, kind: str, grid: ProcessGrid, layout: PairLayout) -> DTensor:
     """One full tensor (held by every rank) -> its padded DTensor of ``kind`` (no communication).
 
-    Differentiable: the gradient reaching ``x`` on a rank covers only that rank's tile.
+    Differentiable: the gradient reaching ``x`` on a rank covers only that rank's tile (sum
+    them with :func:`collect_grad`). The result carries ``layout`` (see :func:`layout_of`).
     """
     pl = _placements(kind)
-    return from_local(local_block(layout.pad(x, kind), grid, pl), grid, pl)
+    return _attach(from_local(local_block(layout.pad(x, kind), grid, pl), grid, pl), layout, kind)
 
 
 class _GatherTiles(torch.autograd.Function):
@@ -457,12 +669,19 @@ class _GatherTiles(torch.autograd.Function):
         return grad.contiguous(), None, None
 
 
-def collect_tensor(x: DTensor, layout: PairLayout, kind: str, what: str = "tensor") -> torch.Tensor:
+def collect_tensor(
+    x: DTensor, layout: PairLayout | None = None, kind: str | None = None, what: str = "tensor"
+) -> torch.Tensor:
     """Gather a DTensor of ``kind`` to the full tensor on every rank, padding removed.
 
-    Differentiable with a replicated-gradient adjoint (each rank keeps its tile of
-    the gradient). A gathering boundary function: tests and outputs only.
+    Layout and kind default to those ``x`` carries. Differentiable with a replicated-gradient
+    adjoint (each rank keeps its tile of the gradient). A gathering boundary function: tests
+    and outputs only.
     """
+    layout = layout or layout_of(x)
+    kind = kind or layout_kind(x)
+    if layout is None or kind is None:
+        raise ValueError(f"collect_tensor({what}): no PairLayout attached to it; pass layout= and kind=")
     pl = _placements(kind)
     check_placements(x, pl, what)
     mesh = x.device_mesh

@@ -66,7 +66,9 @@ __all__ = [
     "padded_tokens",
     "padding_mask",
     "placements_str",
+    "real_tile",
     "reduction_axes",
+    "tile_slices",
     "unpad",
 ]
 
@@ -186,18 +188,63 @@ def _check_placement_kinds(placements: Sequence[Placement], ndim: int, what: str
             raise ValueError(f"{what}: unsupported placement {p!r}")
 
 
+def tile_slices(
+    global_shape: Sequence[int],
+    grid: GridLike | Sequence[int],
+    placements: Sequence[Placement],
+    coords: Sequence[int] | None = None,
+) -> tuple[slice, ...]:
+    """Where the tile of grid position ``coords`` (default: this rank's) sits in the global tensor.
+
+    One slice per tensor dim: ``block_range`` along every sharded dim, everything along the
+    others. The one tiling rule of the project (features, contractions, the worked example and
+    the sharding evidence all call it); sizes must split evenly (pad first).
+    """
+    shape = _shape(grid)
+    coords = _coords(grid) if coords is None else tuple(coords)  # type: ignore[arg-type]
+    _check_placement_kinds(placements, len(global_shape), "tile_slices")
+    idx = [slice(0, int(n)) for n in global_shape]
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard):
+            d = p.dim % len(global_shape)
+            idx[d] = slice(*block_range(int(global_shape[d]), shape[a], coords[a]))
+    return tuple(idx)
+
+
+def real_tile(
+    local: torch.Tensor,
+    grid: GridLike | Sequence[int],
+    placements: Sequence[Placement],
+    real_shape: Sequence[int],
+    coords: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """The real (unpadded) part of an equal-size tile and where it sits in the unpadded tensor.
+
+    ``local`` is the tile at ``coords`` of a tensor padded at the end of each dim from
+    ``real_shape``; returns ``(local[real entries], index)`` with ``index`` one slice per dim
+    into the unpadded tensor. A tile made only of padding gives an empty part.
+    """
+    shape = _shape(grid)
+    padded = list(local.shape)
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard):
+            padded[p.dim % local.ndim] *= shape[a]
+    if len(real_shape) != local.ndim or any(r > q for r, q in zip(real_shape, padded)):
+        raise ValueError(f"real shape {tuple(real_shape)} does not fit the padded shape {tuple(padded)}")
+    glob = tile_slices(padded, grid, placements, coords)
+    cut, index = [], []
+    for g, r in zip(glob, real_shape):
+        lo, hi = min(g.start, r), min(g.stop, r)
+        cut.append(slice(0, hi - lo))
+        index.append(slice(lo, hi))
+    return local[tuple(cut)], tuple(index)
+
+
 def local_offsets(
     global_shape: Sequence[int], grid: GridLike, placements: Sequence[Placement]
 ) -> tuple[int, ...]:
     """Global index of this rank's tile origin, one entry per tensor dim."""
-    shape, coords = _shape(grid), _coords(grid)
-    _check_placement_kinds(placements, len(global_shape), "local_offsets")
-    off = [0] * len(global_shape)
-    for a, p in enumerate(placements):
-        if isinstance(p, Shard):
-            d = p.dim % len(global_shape)
-            off[d] = block_range(global_shape[d], shape[a], coords[a])[0]
-    return tuple(off)
+    return tuple(s.start for s in tile_slices(global_shape, grid, placements))
 
 
 def local_block(full: torch.Tensor, grid: GridLike, placements: Sequence[Placement]) -> torch.Tensor:
@@ -206,14 +253,7 @@ def local_block(full: torch.Tensor, grid: GridLike, placements: Sequence[Placeme
     Sizes must split evenly (pad first). Differentiable: the adjoint scatters the
     tile's gradient into zeros, so ``full.grad`` on one rank holds only its tile.
     """
-    shape = _shape(grid)
-    _check_placement_kinds(placements, full.ndim, "local_block")
-    idx = [slice(None)] * full.ndim
-    for a, p in enumerate(placements):
-        if isinstance(p, Shard):
-            d = p.dim % full.ndim
-            idx[d] = slice(*block_range(full.shape[d], shape[a], _coords(grid)[a]))
-    return full[tuple(idx)].contiguous()
+    return full[tile_slices(full.shape, grid, placements)].contiguous()
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
