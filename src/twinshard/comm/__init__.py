@@ -7,6 +7,7 @@ hand-written autograd Functions. Both record into ``CommLedger``.
 
 from twinshard.comm.ledger import CommLedger, OpStats
 from twinshard.comm.ops import (
+    agree_requires_grad,
     all_gather,
     all_reduce,
     all_to_all,
@@ -17,11 +18,13 @@ from twinshard.comm.ops import (
     reduce_scatter,
     ring_shift,
     sync_grad,
+    sync_params,
 )
 from twinshard.comm.primitives import reduce_dtype
 
 __all__ = [
     "CommLedger",
+    "agree_requires_grad",
     "OpStats",
     "all_gather",
     "all_reduce",
@@ -34,4 +37,5 @@ __all__ = [
     "reduce_scatter",
     "ring_shift",
     "sync_grad",
+    "sync_params",
 ]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from twinshard.comm import primitives as P
 from twinshard.runtime.grid import ProcessGrid
+from twinshard.runtime.world import get_world
 
 Group = P.Group
 
@@ -100,26 +101,99 @@ class _Exchange(torch.autograd.Function):
         recv_peers: list[int],
         recv_shapes: list[tuple[int, ...]],
         op: str,
+        dtype: torch.dtype,
+        token_shape: tuple[int, ...] | None,
+        anchor: torch.Tensor,
         *tensors: torch.Tensor,
     ):
-        ctx.send_peers, ctx.recv_peers, ctx.op = send_peers, recv_peers, op
+        ctx.send_peers, ctx.recv_peers, ctx.op, ctx.dtype = send_peers, recv_peers, op, dtype
         ctx.send_shapes = [tuple(t.shape) for t in tensors]
-        dtype = tensors[0].dtype if tensors else torch.float64
-        ctx.dtype = dtype
+        ctx.send_dtypes = [t.dtype for t in tensors]
         out = P.exchange(
             list(zip(send_peers, tensors)), list(zip(recv_peers, recv_shapes)), dtype=dtype, op=op
         )
+        if token_shape is not None:  # a rank that only sends: an empty output carries the node
+            out = [anchor.new_zeros(token_shape, dtype=dtype)]
         return tuple(out)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        grads = grads[: len(ctx.recv_peers)]  # the token of a send-only rank has no gradient to send
         back = P.exchange(
             list(zip(ctx.recv_peers, grads)),
             list(zip(ctx.send_peers, ctx.send_shapes)),
             dtype=ctx.dtype,
             op=ctx.op + ":backward",
         )
-        return (None, None, None, None, *back)
+        back = [g.to(dt) for g, dt in zip(back, ctx.send_dtypes)]
+        return (None, None, None, None, None, None, None, *back)
+
+
+# dtype codes for the agreement of a receive-only rank with its senders (one int per rank)
+_DTYPES = (
+    torch.float64,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.complex128,
+    torch.complex64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+
+def agree_requires_grad(
+    local: bool | None, what: str, group: Group = None, dtype: torch.dtype | None = None
+) -> tuple[bool, torch.dtype | None]:
+    """Replicated decision: does a point-to-point exchange take the autograd path?
+
+    A rank that differentiates through an exchange posts the reverse exchange in its backward;
+    a peer that took the plain path never posts its half, and the backward hangs. So the choice
+    cannot come from a rank-local ``requires_grad``: every rank votes and all take the same one.
+
+    Args:
+        local: this rank's vote: True (its input requires grad and grad mode is on), False (it
+            does not), None (no input here, e.g. a rank that only receives: it follows the others,
+            provided grad mode is on).
+        what: names the exchange in the error.
+        dtype: the payload dtype this rank sends (None: it sends nothing); the ranks that send
+            must agree, and a rank that only receives learns it here.
+
+    Returns ``(differentiable, dtype)``, identical on every rank of ``group``.
+    Raises ValueError with the same message on every rank when some ranks differentiate and
+    others cannot (input detached, or grad mode off), or when senders' dtypes differ.
+    Collective: one all_gather of two int64 per rank (ledger op ``<what>:grad_agree``); none on
+    a group of one rank.
+    """
+    if local is None:
+        vote = 2 if torch.is_grad_enabled() else 0
+    else:
+        vote = 1 if (local and torch.is_grad_enabled()) else 0
+    code = -1 if dtype is None else _DTYPES.index(dtype)
+    if P.group_size(group) == 1:
+        return vote == 1, dtype
+    world = get_world()
+    device = world.device if world is not None else torch.device("cpu")
+    mine = torch.tensor([[vote, code]], dtype=torch.int64, device=device)
+    votes = P.all_gather(mine, 0, group, op=f"{what}:grad_agree").cpu()
+    want = [r for r, v in enumerate(votes[:, 0].tolist()) if v == 1]
+    cannot = [r for r, v in enumerate(votes[:, 0].tolist()) if v == 0]
+    if want and cannot:
+        raise ValueError(
+            f"{what}: the input requires grad on ranks {want} but not on ranks {cannot} (detached, "
+            "or grad mode off): every rank must take the same autograd path through a collective "
+            "exchange, else the backward hangs; detach on every rank or on none"
+        )
+    codes = sorted({c for c in votes[:, 1].tolist() if c >= 0})
+    if len(codes) > 1:
+        raise ValueError(
+            f"{what}: ranks send different dtypes {[str(_DTYPES[c]) for c in codes]}; cast to one dtype"
+        )
+    return bool(want), (_DTYPES[codes[0]] if codes else dtype)
 
 
 def all_reduce(x: torch.Tensor, group: Group = None) -> torch.Tensor:
@@ -133,6 +207,30 @@ def sync_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     Apply it where a replicated parameter enters sharded compute: each rank's partial gradient
     is summed, so the parameter gradient comes back complete and replicated."""
     return _SyncGrad.apply(x, group)
+
+
+def sync_params(params: Sequence[torch.Tensor], group: Group = None) -> list[torch.Tensor]:
+    """Replicated parameters as sharded compute uses them: the one replicated-gradient utility.
+
+    Forward: the same values (views of one flat copy per dtype). Backward: each rank's partial
+    gradients are summed over ``group``, so ``param.grad`` comes back complete and identical on
+    every rank, with no step after backward. Parameters are bucketed by dtype into one flat
+    vector each (buckets in a fixed order on every rank), so a backward issues one all-reduce per
+    dtype (``sync_grad``), not one per parameter. Placements: in and out replicated. Memory: one
+    flat copy of the parameters (per call). On a group of one rank: the parameters unchanged.
+    """
+    params = list(params)
+    if P.group_size(group) == 1 or not params:
+        return params
+    out: list[torch.Tensor | None] = [None] * len(params)
+    buckets: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        buckets.setdefault(p.dtype, []).append(i)
+    for _, idx in sorted(buckets.items(), key=lambda kv: str(kv[0])):  # same order on all ranks
+        flat = sync_grad(torch.cat([params[i].reshape(-1) for i in idx]), group)
+        for i, piece in zip(idx, flat.split([params[i].numel() for i in idx])):
+            out[i] = piece.view_as(params[i])
+    return out  # type: ignore[return-value]
 
 
 def all_gather(
@@ -165,12 +263,41 @@ def exchange(
     sends: Sequence[tuple[int, torch.Tensor]],
     recvs: Sequence[tuple[int, tuple[int, ...]]],
     op: str = "exchange",
+    dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
-    """Sparse point-to-point with global peer ranks (see primitives.exchange). Backward: every
-    received gradient goes back to its sender, which gets it as the gradient of what it sent."""
-    out = _Exchange.apply(
-        [p for p, _ in sends], [p for p, _ in recvs], [tuple(s) for _, s in recvs], op, *[t for _, t in sends]
-    )
+    """Sparse point-to-point with global peer ranks (see primitives.exchange). Collective: every
+    rank of the world calls it (a rank with no message passes empty lists).
+
+    Returns the received tensors in ``recvs`` order; a rank that sends but receives nothing gets
+    one zero-row tensor (``(0, *sends[0].shape[1:])``) instead, so that it too has an output
+    attached to the exchange: use it in the loss (e.g. ``torch.cat``) so its backward runs.
+
+    Autograd: whether the exchange is differentiable is one replicated decision (see
+    ``agree_requires_grad``: one all_gather of a vote per call), so a rank that only sends, and
+    one that only receives, build the autograd node too and run their half of the adjoint.
+    Backward: every received gradient goes back to its sender, which gets it as the gradient of
+    what it sent (the reverse exchange). ``dtype``: the wire dtype (default: the sends' dtype,
+    agreed with the senders on a rank that only receives)."""
+    tensors = [t for _, t in sends]
+    local = any(t.requires_grad for t in tensors) if tensors else None
+    own = dtype if dtype is not None else (tensors[0].dtype if tensors else None)
+    grad, agreed = agree_requires_grad(local, op, None, own)
+    wire = agreed if agreed is not None else torch.float64  # nobody sends: the dtype is moot
+    send_peers, recv_peers = [p for p, _ in sends], [p for p, _ in recvs]
+    shapes = [tuple(s) for _, s in recvs]
+    if not grad:
+        got = P.exchange(list(zip(send_peers, tensors)), list(zip(recv_peers, shapes)), dtype=wire, op=op)
+        if not recvs and tensors:
+            return [tensors[0].new_zeros((0,) + tuple(tensors[0].shape[1:]), dtype=wire)]
+        return list(got)  # type: ignore[arg-type]
+    if not sends and not recvs:
+        return []  # no message either way: nothing to differentiate on this rank
+    token = (0,) + tuple(tensors[0].shape[1:]) if not recvs else None
+    world = get_world()
+    device = tensors[0].device if tensors else (world.device if world is not None else None)
+    # a differentiable leaf makes every output require grad, on a rank that only receives too
+    anchor = torch.zeros(0, dtype=wire, device=device, requires_grad=True)
+    out = _Exchange.apply(send_peers, recv_peers, shapes, op, wire, token, anchor, *tensors)
     return list(out)
 
 
@@ -180,10 +307,9 @@ def permute(
     """Send ``x`` to global rank ``dst`` and receive a block from ``src`` (every rank takes part in
     one permutation of blocks). Backward: the inverse permutation."""
     shape = tuple(x.shape) if recv_shape is None else tuple(recv_shape)
-    if dst == src == dist.get_rank():
-        if shape != tuple(x.shape):
-            raise ValueError(f"permute to self: block {tuple(x.shape)} but recv_shape {shape}")
-        return x.clone()
+    if dst == src == dist.get_rank() and shape != tuple(x.shape):
+        raise ValueError(f"permute to self: block {tuple(x.shape)} but recv_shape {shape}")
+    # a block that stays is a local copy inside the exchange, which every rank must call
     return exchange([(dst, x)], [(src, shape)], op=op)[0]
 
 

@@ -55,23 +55,14 @@ def grad_group(mesh: DeviceMesh, placements: Sequence[Placement]) -> dist.Proces
 def replicated_params(params: Sequence[torch.Tensor], like: DTensor) -> list[torch.Tensor]:
     """``params`` as used on tiles of ``like``: identity forward; backward sums their gradients.
 
-    Parameters are bucketed by dtype into one flat vector each, so a layer's
-    backward issues one all-reduce per dtype (``comm.sync_grad``) instead of one
-    per parameter. Nothing is communicated when ``like`` is not sharded.
+    ``comm.sync_params`` over the sharded mesh axes: parameters bucketed by dtype into
+    one flat vector each, so a layer's backward issues one all-reduce per dtype instead
+    of one per parameter. Nothing is communicated when ``like`` is not sharded.
     """
     group = grad_group(like.device_mesh, like.placements)
     if group is False or not params:
         return list(params)
-    out: list[torch.Tensor | None] = [None] * len(params)
-    buckets: dict[torch.dtype, list[int]] = {}
-    for i, p in enumerate(params):
-        buckets.setdefault(p.dtype, []).append(i)
-    for _, idx in sorted(buckets.items(), key=lambda kv: str(kv[0])):  # same order on all ranks
-        flat = torch.cat([params[i].reshape(-1) for i in idx])
-        flat = comm.sync_grad(flat, group)
-        for i, piece in zip(idx, flat.split([params[i].numel() for i in idx])):
-            out[i] = piece.view_as(params[i])
-    return out  # type: ignore[return-value]
+    return comm.sync_params(params, group)  # the one replicated-gradient utility (atoms use it too)
 
 
 def _check_tokenwise_input(x: object, what: str) -> DTensor:
