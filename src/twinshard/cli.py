@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 # Demo sections: modules with ``demo_rows()``, each called on every rank of the demo world.
-DEMO_SECTIONS = ("twinshard.testing.example", "twinshard.atoms.demo", "twinshard.pair.demo")
+DEMO_SECTIONS = ("twinshard.comm.adjoint", "twinshard.atoms.demo", "twinshard.pair.demo")
 
 
 def _demo_rank(sections: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from twinshard.comm.adjoint import adjoint_pair  # noqa: F401  (re-exported; it lives with the comm ops)
 from twinshard.testing.evidence import Evidence, log
 
 # Where a rank's shard sits in the full tensor: a block (one slice per leading dim) or the
@@ -466,21 +467,6 @@ def check_twin(
     for name, g in serial_param_grads.items():
         evs.append(assert_parity(ranks[0].param_grads[name], g, what=f"{what} param grad {name}", **kw))
     return evs
-
-
-def adjoint_pair(f: Any, x: torch.Tensor, seed: int, group: Any = None) -> tuple[float, float]:
-    """In-rank: (sum_r <dy_r, f(x)_r>, sum_r <f*(dy)_r, x_r>) for a random dy, summed over
-    ``group`` in fp64. Equal up to round-off iff backward is the adjoint of forward (for an op
-    linear in x). Every rank gets the same pair."""
-    import torch.distributed as dist
-
-    x = x.detach().clone().requires_grad_(True)
-    y = f(x)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
-    (gx,) = torch.autograd.grad(y, x, dy)
-    sums = torch.stack([(dy * y).sum(), (gx * x).sum()]).detach().to(torch.float64)
-    dist.all_reduce(sums, group=group)
-    return float(sums[0]), float(sums[1])
 
 
 def serial_reference(
