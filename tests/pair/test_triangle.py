@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.testing import assert_close
 
-from twinshard.comm import primitives as P
-from twinshard.pair.features import PairLayout, collect_tensor, shard_tensor
+from twinshard.pair.features import PairLayout, collect_grad, collect_tensor, real_part, shard_tensor
 from twinshard.pair.layers import contraction, tokenwise
 from twinshard.pair.layers.triangle import CPTriangleMultiplication
 from twinshard.pair.reference.triangle import (
@@ -152,19 +153,60 @@ def _inputs(b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return z, mask
 
 
-_BUGS = ("skew", "transpose", "grad_reduce")
+class _SkewedFetch(contraction._Fetch):
+    """Planted bug: Cannon's skew hands X the tile one block too far along its columns."""
+
+    def __init__(self, grid, ops, wants, op):
+        if op.endswith(":skew") and len(ops) == 2:
+            want_x, cols = wants[0], ops[0].cols
+
+            def shifted(rank):
+                rows, (c0, c1) = want_x(rank)
+                lo = (c1 % cols) if c1 - c0 < cols else c0
+                return rows, (lo, lo + (c1 - c0))
+
+            wants = [shifted, *wants[1:]]
+        super().__init__(grid, ops, wants, op)
+
+
+_K_SEGMENTS = contraction.k_segments
+
+
+def _segments_off_by_one(k, kx, ky):
+    """Planted bug: SUMMA's first k-segment starts at 1, so k = 0 (a real token) never counts."""
+    segs = _K_SEGMENTS(k, kx, ky)
+    return [(segs[0][0] + 1, segs[0][1]), *segs[1:]]
+
+
+def _skip_grad_reduce(params, like):
+    return list(params)
+
+
+@contextlib.contextmanager
+def planted(bug):
+    """Plant one bug in the contraction or gradient code for the duration of a rank function
+    (test scope: the module attributes are restored afterwards, even on error)."""
+    saved = (contraction._Fetch, contraction._orient, contraction.k_segments, tokenwise.replicated_params)
+    if bug == "skew":  # the first operand skewed one step too far
+        contraction._Fetch = _SkewedFetch
+    elif bug == "transpose":  # a mirrored tile used untransposed
+        contraction._orient = lambda t, trans: t
+    elif bug == "segment":  # an off-by-one SUMMA k-segment (rectangular grids)
+        contraction.k_segments = _segments_off_by_one
+    elif bug == "grad_reduce":  # parameter gradients never summed
+        tokenwise.replicated_params = _skip_grad_reduce
+    elif bug is not None:
+        raise ValueError(f"unknown planted bug {bug!r}")
+    try:
+        yield
+    finally:
+        contraction._Fetch, contraction._orient, contraction.k_segments = saved[:3]
+        tokenwise.replicated_params = saved[3]
 
 
 def _rank_trimul(grid, directions, b, n, bug=None):
     """Every rank: twin on its padded tiles, output gathered, random grad_output backpropagated."""
-    saved = (contraction._SKEW_OFFSET, contraction._TRANSPOSE_TILES, tokenwise.replicated_params)
-    if bug == "skew":  # negative control: the first operand skewed one step too far
-        contraction._SKEW_OFFSET = 1
-    elif bug == "transpose":  # negative control: a mirrored tile used untransposed
-        contraction._TRANSPOSE_TILES = False
-    elif bug == "grad_reduce":  # negative control: parameter gradients never summed
-        tokenwise.replicated_params = lambda params, like: list(params)
-    try:
+    with planted(bug):
         results = {}
         layout = PairLayout.for_sizes(n, grid)
         for direction in directions:
@@ -176,19 +218,16 @@ def _rank_trimul(grid, directions, b, n, bug=None):
             zd = shard_tensor(z, "pair", grid, layout)
             md = shard_tensor(mask, "pair", grid, layout)
             out = twin(zd, md)
-            full = collect_tensor(out, layout, "pair")
+            full = collect_tensor(out)
             full.backward(random_grad_output(full, seed=2))
             results[direction] = TwinResult(
                 out=full.detach(),
-                grads_in={"z": P.all_reduce(z.grad)},  # each rank's z.grad covers its tile only
+                grads_in={"z": collect_grad(z.grad, "pair", grid)},  # each rank's z.grad: its tile
                 param_grads={k: v.grad for k, v in twin.named_parameters()},
-                shards={"z": zd.to_local().detach(), "out": out.to_local().detach()},
+                shards={"z": real_part(zd), "out": real_part(out)},
                 params=parameter_signature(twin),
             )
         return results
-    finally:
-        contraction._SKEW_OFFSET, contraction._TRANSPOSE_TILES = saved[:2]
-        tokenwise.replicated_params = saved[2]
 
 
 def _check(grid, direction, b, n, ranks):
@@ -202,14 +241,15 @@ def _check(grid, direction, b, n, ranks):
     )
 
 
-# (grid, N, B): N divisible by the grid and not (13 on 2x2, 7 on 3x3, 7 on 2x3 -> 12).
+# (grid, N, B): N divisible by the grid and not (13 on 2x2 and 2x3, 7 on 3x3: one-token
+# blocks); no grid row or column left with padding only (every rank holds real data).
 CASES = [
     ((1, 1), 5, 1),
     ((2, 2), 8, 2),
     ((2, 2), 13, 1),
     ((3, 3), 7, 1),
     ((1, 2), 6, 1),
-    ((2, 3), 7, 1),
+    ((2, 3), 13, 1),
 ]
 
 
@@ -220,15 +260,22 @@ def test_cp_trimul_matches_serial(grid, n, b):
         _check(grid, direction, b, n, ranks)
 
 
-@pytest.mark.parametrize("bug", _BUGS)
-def test_negative_controls_fail_parity(bug):
+# (bug, grid, N, direction, message): a forward bug first shows in the output's shards
+# (each rank's block against the serial output), a missing gradient sum in the replication.
+CONTROLS = [
+    ("skew", (2, 2), 6, "outgoing", r"trimul-outgoing N=6 B=1: out: rank \d's piece differs"),
+    ("transpose", (2, 2), 6, "incoming", r"trimul-incoming N=6 B=1: out: rank \d's piece differs"),
+    ("segment", (2, 3), 13, "outgoing", r"trimul-outgoing N=13 B=1: out: rank \d's piece differs"),
+    ("segment", (2, 3), 13, "incoming", r"trimul-incoming N=13 B=1: out: rank \d's piece differs"),
+    ("grad_reduce", (2, 2), 6, "outgoing", r"parameter gradients\[norm_in.weight\] is not replicated"),
+]
+
+
+@pytest.mark.parametrize("bug,grid,n,direction,match", CONTROLS, ids=[f"{c[0]}-{c[3]}" for c in CONTROLS])
+def test_negative_controls_fail_parity(bug, grid, n, direction, match):
     # Each planted bug must break parity (a harness that passes them proves nothing).
-    grid, n = (2, 2), 6
-    direction = "incoming" if bug == "transpose" else "outgoing"  # incoming moves A transposed
     ranks = run_on_grid(_rank_trimul, grid, (direction,), 1, n, bug)
-    # A missing gradient sum is caught first by the replication check, the others by parity.
-    caught = "is not replicated" if bug == "grad_reduce" else "parity of trimul"
-    with pytest.raises(AssertionError, match=caught):
+    with pytest.raises(AssertionError, match=match):
         _check(grid, direction, 1, n, ranks)
 
 

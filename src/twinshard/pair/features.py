@@ -360,13 +360,14 @@ def real_part(
 ) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """This rank's real (unpadded) block of ``x`` and where it sits in the unpadded full tensor:
     ``(local, index)`` with ``full[index] == local`` (index: one slice per dim). The sharding
-    evidence of a parity test (``TwinResult.shards``). Layout and kind default to ``x``'s."""
+    evidence of a parity test (``TwinResult.shards``), detached. Layout and kind default to
+    ``x``'s."""
     layout = layout or layout_of(x)
     kind = kind or layout_kind(x)
     if layout is None or kind is None:
         raise ValueError("real_part needs the PairLayout and kind of x (none is attached: pass them)")
     _check_fits(x, layout, kind, "real_part")
-    local = x.to_local()
+    local = x.to_local().detach()
     return real_tile(local, x.device_mesh, x.placements, _real_shape(tuple(x.shape), layout, kind))
 
 

@@ -32,9 +32,8 @@ keeps ``dZ`` in place and moves the operands and the partial gradients
 (``Contraction.stationary_grad``; ring shifts on square grids, per-row fetch and
 scatter on rectangular ones).
 
-Test-only switches (module attributes, read at call time; the negative controls plant
-bugs through them): ``_SKEW_OFFSET`` shifts the Cannon skew of the first operand only;
-``_TRANSPOSE_TILES=False`` uses a mirrored tile without transposing it.
+Tiles come from ``twinshard.tensors.dtensor.block_range`` (the project's one tiling rule);
+the k-cuts of SUMMA from :func:`k_segments`.
 """
 
 from __future__ import annotations
@@ -48,11 +47,9 @@ import torch
 
 from twinshard.comm import primitives as P
 from twinshard.runtime.grid import ProcessGrid
+from twinshard.tensors.dtensor import block_range
 
-__all__ = ["Contraction", "Tiled", "grid_contract", "grid_matmul", "schedule_name"]
-
-_SKEW_OFFSET = 0
-_TRANSPOSE_TILES = True
+__all__ = ["Contraction", "Tiled", "grid_contract", "grid_matmul", "k_segments", "schedule_name"]
 
 Range = tuple[int, int]
 
@@ -62,11 +59,6 @@ def schedule_name(shape: tuple[int, int]) -> str:
     if shape[0] * shape[1] == 1:
         return "serial"
     return "cannon" if shape[0] == shape[1] else "summa"
-
-
-def _blk(n: int, parts: int, i: int) -> Range:
-    b = n // parts
-    return i * b, (i + 1) * b
 
 
 def _inter(a: Range, b: Range) -> Range | None:
@@ -84,12 +76,12 @@ class Tiled:
 
     def owned(self, grid: ProcessGrid, rank: int) -> tuple[Range, Range]:
         r, c = grid.coords_of(rank)
-        return _blk(self.rows, grid.rows, r), _blk(self.cols, grid.cols, c)
+        return block_range(self.rows, grid.rows, r), block_range(self.cols, grid.cols, c)
 
 
 def _orient(t: torch.Tensor, trans: bool) -> torch.Tensor:
     # Matrix dims are 1 and 2; a transpose is a view, the kernel's einsum reads it as is.
-    return t.transpose(1, 2) if trans and _TRANSPOSE_TILES else t
+    return t.transpose(1, 2) if trans else t
 
 
 class _Fetch:
@@ -180,21 +172,20 @@ def _cannon(
 ) -> torch.Tensor:
     q = grid.rows
     r, c = grid.coords
-    s = _SKEW_OFFSET
 
     # Skew: X'[r, k0] and Y'[k0, c] with k0 = r + c; a transposed operand's tile comes from
     # the mirrored rank (stored block (k0, r) resp. (c, k0)).
     def want_x(rank: int) -> tuple[Range, Range]:
         rr, cc = grid.coords_of(rank)
-        k0 = (rr + cc + s) % q
+        k0 = (rr + cc) % q
         br, bc = (k0, rr) if tx else (rr, k0)
-        return _blk(x.rows, q, br), _blk(x.cols, q, bc)
+        return block_range(x.rows, q, br), block_range(x.cols, q, bc)
 
     def want_y(rank: int) -> tuple[Range, Range]:
         rr, cc = grid.coords_of(rank)
         k0 = (rr + cc) % q
         br, bc = (cc, k0) if ty else (k0, cc)
-        return _blk(y.rows, q, br), _blk(y.cols, q, bc)
+        return block_range(y.rows, q, br), block_range(y.cols, q, bc)
 
     xt, yt = _Fetch(grid, [x, y], [want_x, want_y], op=f"{tag}:skew").wait()
     left, right = grid.rank_of((r, c - 1)), grid.rank_of((r, c + 1))
@@ -219,6 +210,13 @@ def _cannon(
     return acc
 
 
+def k_segments(k: int, kx: int, ky: int) -> list[Range]:
+    """The k-segments of SUMMA: ``[0, k)`` cut at every tile edge of X (k split in ``kx``
+    blocks) and of Y (``ky`` blocks), so each segment lies in one tile of each operand."""
+    edges = sorted({k * i // kx for i in range(kx + 1)} | {k * i // ky for i in range(ky + 1)})
+    return list(zip(edges[:-1], edges[1:]))
+
+
 def _summa(
     grid: ProcessGrid,
     x: Tiled,
@@ -233,18 +231,15 @@ def _summa(
 ) -> torch.Tensor:
     R, C = grid.rows, grid.cols
     # k is tiled by R (stored rows) or C (stored cols) in each operand; cut at every edge.
-    kx = R if tx else C
-    ky = C if ty else R
-    edges = sorted({k * i // kx for i in range(kx + 1)} | {k * i // ky for i in range(ky + 1)})
-    segs = list(zip(edges[:-1], edges[1:]))
+    segs = k_segments(k, R if tx else C, C if ty else R)
 
     def wants(seg: Range) -> list[Callable[[int], tuple[Range, Range]]]:
         def want_x(rank: int) -> tuple[Range, Range]:
-            rows = _blk(m, R, grid.coords_of(rank)[0])
+            rows = block_range(m, R, grid.coords_of(rank)[0])
             return (seg, rows) if tx else (rows, seg)
 
         def want_y(rank: int) -> tuple[Range, Range]:
-            cols = _blk(n, C, grid.coords_of(rank)[1])
+            cols = block_range(n, C, grid.coords_of(rank)[1])
             return (cols, seg) if ty else (seg, cols)
 
         return [want_x, want_y]
@@ -281,7 +276,7 @@ def _cannon_stationary(
     def want(rank: int) -> tuple[Range, Range]:
         rr, cc = grid.coords_of(rank)
         br, bc = ((rr + cc) % q, cc) if which == "x" else ((rr + cc) % q, rr)
-        return _blk(rows, q, br), _blk(cols, q, bc)
+        return block_range(rows, q, br), block_range(cols, q, bc)
 
     (wt,) = _Fetch(grid, [Tiled(w, rows, cols)], [want], op=f"{tag}:skew").wait()
     if which == "x":  # operand up the column, partial left along the row
@@ -336,26 +331,26 @@ def _summa_stationary(
     K, N = kb * R, nb * C
     nr = N // R  # dZ rows block (tokens over grid rows)
     out = None
-    mine_cols = _blk(N, C, c)
+    mine_cols = block_range(N, C, c)
     for k in range(R):
 
         def want(rank: int, k: int = k) -> tuple[Range, Range]:
             rr, cc = grid.coords_of(rank)
-            return _blk(K, R, k), (_blk(N, C, cc) if which == "x" else _blk(N, R, rr))
+            return block_range(K, R, k), (block_range(N, C, cc) if which == "x" else block_range(N, R, rr))
 
         (wk,) = _Fetch(grid, [Tiled(w, K, N)], [want], op=f"{tag}:summa_fetch").wait()
         if which == "x":  # partial dX[k, I_r]: to the owners (k, c') of the columns of I_r
             part = torch.einsum(equation, wk, dz.transpose(1, 2))
             sends = []
             for c2 in range(C):
-                hit = _inter(_blk(N, R, r), _blk(N, C, c2))
+                hit = _inter(block_range(N, R, r), block_range(N, C, c2))
                 if hit:
                     piece = part[:, :, hit[0] - r * nr : hit[1] - r * nr]
                     sends.append((grid.rank_of((k, c2)), piece))
             recvs = []
             if r == k:
                 for r2 in range(R):
-                    hit = _inter(_blk(N, R, r2), mine_cols)
+                    hit = _inter(block_range(N, R, r2), mine_cols)
                     if hit:
                         for c2 in range(C):
                             recvs.append((grid.rank_of((r2, c2)), hit))

@@ -7,7 +7,8 @@ channel) index (``twinshard.tensors.rng``), so the assembled mask equals the
 serial one bit for bit; padding sits after the real entries and does not shift
 their indices. Collectives: none, forward or backward. Saved for backward per
 rank: the tile's mask, ``[B, 1, C/cols, c]`` (row-wise) or ``[B, R/rows, 1, c]``
-(column-wise), serial / cols or serial / rows.
+(column-wise), serial / cols or serial / rows. The output carries the input's
+``PairLayout`` with padding zeroed (``twinshard.pair.features``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from twinshard.pair.layers.tokenwise import _check_tokenwise_input
+from twinshard.pair.layers.tokenwise import _check_tokenwise_input, carry_layout
 from twinshard.pair.reference.dropout import Dropout
 from twinshard.tensors.dtensor import from_local, local_offsets
 
@@ -36,7 +37,7 @@ class CPDropout(Dropout):
         off = local_offsets(x.shape, x.device_mesh, x.placements)
         local = x.to_local()
         mask = self.mask(local.shape, seed, local.dtype, local.device, row_offset=off[-3], col_offset=off[-2])
-        return from_local(local * mask, x.device_mesh, x.placements)
+        return carry_layout(from_local(local * mask, x.device_mesh, x.placements), x)
 
     def serial_forward(self, x: torch.Tensor, seed: int | None = None) -> torch.Tensor:
         return Dropout.forward(self, x, seed)

@@ -2,9 +2,12 @@
 
 Placements. In: MSA ``m[B, Sp, Np, c_in]`` at ``(Shard(1), Shard(2))`` (sequences over
 grid rows, tokens over grid columns) and its mask ``[B, Sp, Np]`` at the same placements
-(Sp padded to a multiple of rows, Np to a multiple of lcm(rows, cols), padding masked
-out by ``twinshard.pair.features``). Out: pair ``z[B, Np, Np, c_out]`` at
-``(Shard(1), Shard(2))``.
+(Sp padded to a multiple of rows, Np to a multiple of lcm(rows, cols) by
+``twinshard.pair.features``). Out: pair ``z[B, Np, Np, c_out]`` at ``(Shard(1), Shard(2))``,
+carrying m's ``PairLayout`` (as a pair tensor), padded entries exactly zero. The padding
+(sequences and tokens) is masked from the layout m (or the mask) carries: the whole mask
+when ``mask=None``, a factor of a given mask, so padded sequences are never counted.
+Without a layout a mask is required (else: a clear error).
 
 Computation. ``norm``, ``proj_a``, ``proj_b`` and the masking are token-local on the MSA
 tile. The sum over sequences ``O = A^T (x) B`` (an outer product in the channels,
@@ -33,8 +36,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from twinshard.pair.features import layout_of, with_layout
 from twinshard.pair.layers.contraction import Contraction, Tiled, grid_contract, grid_matmul
-from twinshard.pair.layers.tokenwise import TokenwiseTwin
+from twinshard.pair.layers.tokenwise import TokenwiseTwin, mixing_layout
 from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.reference.outer_product import OuterProductMean
 from twinshard.runtime.grid import ProcessGrid
@@ -58,6 +62,8 @@ _COUNT = "bmkc,bknd->bmncd"
 class CPOuterProductMean(OuterProductMean, TokenwiseTwin):
     """Context-parallel outer product mean; parameters as the serial module (see module doc)."""
 
+    _out_kind = "pair"  # MSA in, pair out: the layout passes on as a pair tensor's
+
     def forward(
         self,
         m: DTensor | torch.Tensor,
@@ -75,14 +81,19 @@ class CPOuterProductMean(OuterProductMean, TokenwiseTwin):
                 f"token count {m.shape[2]} is not a multiple of the {grid.rows} grid "
                 "rows: pad N to a multiple of lcm(rows, cols) (twinshard.pair.features)"
             )
-        if mask is None:
-            mask_local = torch.ones(m.to_local().shape[:3], dtype=m.dtype, device=m.device)
-        else:
+        if mask is not None:
             check_placements(mask, MSA, f"{type(self).__name__} mask", ndim=3)
             if tuple(mask.shape) != tuple(m.shape[:3]):
                 raise ValueError(f"mask {tuple(mask.shape)} does not match m {tuple(m.shape)}")
-            mask_local = mask.to_local()
-        return self.tile_forward(m, mask_local, grid)
+        layout, keep = mixing_layout(m, mask, "msa", f"{type(self).__name__} (mask=None)")
+        shape = m.to_local().shape[:3]
+        mask_local = torch.ones(shape, dtype=m.dtype, device=m.device) if mask is None else mask.to_local()
+        if keep is not None:  # padded sequences and tokens are never counted
+            mask_local = mask_local * keep.to(mask_local.dtype).expand(shape)
+        out = self.tile_forward(m, mask_local, grid)
+        if layout is not None and layout_of(out) is None:  # the layout came with the mask
+            out = with_layout(out, layout, "pair")
+        return out
 
     def _tile_forward(self, m: torch.Tensor, mask: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
         a, b = self.project_in(m, mask)

@@ -14,7 +14,14 @@ Helpers here are public for other twins (triangle updates, outer product mean):
 ``replicated_params`` (one all-reduce per dtype in backward, none forward),
 ``TokenwiseTwin`` (mixin for subclasses of serial modules), ``pointwise``
 (elementwise ops such as gating and residual adds on identical placements,
-without DTensor redistribution).
+without DTensor redistribution), ``mixing_layout`` (the padding a mixing twin
+must mask, from the layout its inputs carry).
+
+Padding (see ``twinshard.pair.features``): a twin's output carries its input's
+``PairLayout`` and has its padded entries set to exactly zero. A token-local twin
+is exact on real entries whatever the padding holds, so an input without a
+layout is accepted (the output then has none either); a mixing twin without a
+layout and without a mask raises.
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.func import functional_call
 
 from twinshard import comm
+from twinshard.pair.features import PairLayout, _check_fits, layout_kind, layout_of, padding_keep, with_layout
 from twinshard.tensors.dtensor import check_placements, from_local, reduction_axes
 
-__all__ = ["TokenwiseTwin", "grad_group", "pointwise", "replicated_params"]
+__all__ = ["TokenwiseTwin", "grad_group", "mixing_layout", "pointwise", "replicated_params"]
 
 
 def grad_group(mesh: DeviceMesh, placements: Sequence[Placement]) -> dist.ProcessGroup | None | bool:
@@ -90,6 +98,7 @@ class TokenwiseTwin(nn.Module):
     """
 
     _on_tile: bool = False
+    _out_kind: str | None = None  # kind of the output when it differs from the input's
 
     def tile_forward(self, x: DTensor, *args: object, **kwargs: object) -> DTensor:
         """Run the serial forward on this rank's tile with gradient-synced parameters."""
@@ -103,7 +112,41 @@ class TokenwiseTwin(nn.Module):
             )
         finally:
             self._on_tile = False
-        return from_local(out, x.device_mesh, x.placements)
+        return carry_layout(from_local(out, x.device_mesh, x.placements), x, self._out_kind)
+
+
+def carry_layout(out: DTensor, like: DTensor, kind: str | None = None) -> DTensor:
+    """``out`` with ``like``'s layout attached (as ``kind``, default ``like``'s) and its padding
+    zeroed; unchanged when ``like`` carries no layout."""
+    layout = layout_of(like)
+    if layout is None:
+        return out
+    return with_layout(out, layout, kind or layout_kind(like))
+
+
+def mixing_layout(
+    x: DTensor, mask: DTensor | None, kind: str, what: str
+) -> tuple[PairLayout | None, torch.Tensor | None]:
+    """The layout a mixing twin (one that sums over tokens or sequences) works with, and the bool
+    keep-mask of ``x``'s local tile (None where the tile has no padding).
+
+    The layout comes from ``x``, else from ``mask``. With neither a layout nor a mask the padding
+    cannot be told from real entries, so this raises (every rank alike: it reads metadata).
+    """
+    layout = layout_of(x)
+    if layout is None and mask is not None:
+        layout = layout_of(mask)
+    if layout is None:
+        if mask is None:
+            raise ValueError(
+                f"{what}: the input carries no PairLayout and no mask was given, so padded "
+                "tokens cannot be told from real ones. A plain DTensor op (z + y, z.detach()) drops "
+                "the layout: restore it with twinshard.pair.features.with_layout(z + y, z), or add "
+                "with twinshard.pair.layers.pointwise(lambda a, b: a + b, z, y), or pass mask="
+            )
+        return None, None
+    _check_fits(x, layout, kind, what)
+    return layout, padding_keep(x, layout, kind)
 
 
 def pointwise(fn: Callable[..., torch.Tensor], *xs: DTensor) -> DTensor:
@@ -112,7 +155,7 @@ def pointwise(fn: Callable[..., torch.Tensor], *xs: DTensor) -> DTensor:
     For gating (``a * sigmoid(g)``), residual adds and masks (e.g. ``pair_mask[B, N, N]``
     against ``z[B, N, N, c]``: ``fn`` does the broadcasting): no collective, and a
     clear error instead of an implicit redistribution when the placements differ.
-    The output takes the placements of the first argument.
+    The output takes the placements of the first argument and its layout (padding zeroed).
     """
     if not xs:
         raise ValueError("pointwise needs at least one DTensor")
@@ -133,4 +176,4 @@ def pointwise(fn: Callable[..., torch.Tensor], *xs: DTensor) -> DTensor:
                 f"sharded dims {sharded}; only unsharded trailing dims may broadcast"
             )
     out = fn(*(x.to_local() for x in xs))
-    return from_local(out, first.device_mesh, first.placements)
+    return carry_layout(from_local(out, first.device_mesh, first.placements), first)

@@ -2,10 +2,11 @@
 
 Placements. In: pair ``z[B, Np, Np, dim]`` at ``(Shard(1), Shard(2))`` and its mask
 ``[B, Np, Np]`` at the same placements (Np = N padded to a multiple of lcm(rows, cols)
-by ``twinshard.pair.features``; the mask is zero on padding). Out: ``[B, Np, Np, dim]``
-at ``(Shard(1), Shard(2))``. Padded rows/columns carry finite junk that the collector
-drops; they never leak into real entries because ``a`` and ``b`` are masked before the
-contraction.
+by ``twinshard.pair.features``). Out: ``[B, Np, Np, dim]`` at ``(Shard(1), Shard(2))``,
+carrying z's ``PairLayout``, padded entries exactly zero. The padding mask comes from the
+layout z (or the mask) carries: with ``mask=None`` it is the whole mask, a given mask is
+multiplied by it, so padding never leaks into real entries (``a`` and ``b`` are masked
+before the contraction). Without a layout a mask is required (else: a clear error).
 
 Computation. ``norm_in``, ``p_in``/``g_in`` gating, masking, ``norm_out``, ``p_out`` and
 ``g_out`` are token-local and run unchanged (the serial module's own methods) on the
@@ -30,8 +31,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from twinshard.pair.features import layout_of, with_layout
 from twinshard.pair.layers.contraction import Contraction, grid_contract
-from twinshard.pair.layers.tokenwise import TokenwiseTwin
+from twinshard.pair.layers.tokenwise import TokenwiseTwin, mixing_layout
 from twinshard.pair.reference.triangle import TriangleMultiplication
 from twinshard.runtime.grid import ProcessGrid, make_grid
 from twinshard.tensors.dtensor import PAIR, check_placements
@@ -61,8 +63,8 @@ def pair_grid(x: DTensor) -> ProcessGrid:
 class CPTriangleMultiplication(TriangleMultiplication, TokenwiseTwin):
     """Context-parallel triangle multiplication; parameters as the serial module (see module doc).
 
-    ``forward(z, mask=None)``: with ``mask=None`` every entry counts, so pass the
-    distributor's mask whenever N was padded.
+    ``forward(z, mask=None)``: with ``mask=None`` every real entry counts; the padding is
+    masked from the layout ``z`` carries (raises when z has none and no mask is given).
     """
 
     def forward(
@@ -82,7 +84,14 @@ class CPTriangleMultiplication(TriangleMultiplication, TokenwiseTwin):
             if tuple(mask.shape) != tuple(z.shape[:3]):
                 raise ValueError(f"mask {tuple(mask.shape)} does not match z {tuple(z.shape)}")
             mask_local = mask.to_local()
-        return self.tile_forward(z, mask_local, pair_grid(z))
+        layout, keep = mixing_layout(z, mask, "pair", f"{type(self).__name__} (mask=None)")
+        if keep is not None:  # this tile holds padding: it never counts, whatever the mask says
+            keep = keep.to(z.dtype).expand(z.to_local().shape[:3])
+            mask_local = keep if mask_local is None else mask_local * keep
+        out = self.tile_forward(z, mask_local, pair_grid(z))
+        if layout is not None and layout_of(out) is None:  # the layout came with the mask
+            out = with_layout(out, layout, "pair")
+        return out
 
     def _tile_forward(self, z: torch.Tensor, mask: torch.Tensor | None, grid: ProcessGrid) -> torch.Tensor:
         a, b, x = self.project_in(z, mask)

@@ -16,10 +16,18 @@ that holds rows/columns starting at an offset draws exactly the serial mask for
 its block, for any grid. ``seed`` changes per training step and ``stream``
 separates dropout sites; the same (seed, stream) gives the same mask.
 Kept entries are scaled by 1 / (1 - p).
+
+Streams. Two sites with the same stream draw the same mask, a silent correlation.
+So a site has no default stream: give ``stream=`` (an int, or a name hashed by
+:func:`stream_id`), or leave it None and call :func:`assign_dropout_streams` on
+the model, which derives each site's stream from its qualified module name (the
+serial model and its twin share names, so they share streams) and raises if two
+sites collide. A site still without a stream raises in training mode.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -27,7 +35,13 @@ from torch import nn
 
 from twinshard.tensors.rng import uniform
 
-__all__ = ["Dropout", "dropout_mask"]
+__all__ = ["Dropout", "assign_dropout_streams", "dropout_mask", "stream_id"]
+
+
+def stream_id(name: str) -> int:
+    """A stable 32-bit stream number for a dropout site's name (blake2b; the same on every
+    machine and Python process, unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
 
 
 def dropout_mask(
@@ -35,7 +49,7 @@ def dropout_mask(
     p: float,
     *,
     seed: int,
-    stream: int = 0,
+    stream: int,
     columnwise: bool = False,
     row_offset: int = 0,
     col_offset: int = 0,
@@ -77,13 +91,15 @@ class Dropout(nn.Module):
     every rank and the serial twin draw the same mask.
     """
 
-    def __init__(self, p: float, columnwise: bool = False, stream: int = 0):
+    def __init__(self, p: float, columnwise: bool = False, stream: int | str | None = None):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = float(p)
         self.columnwise = bool(columnwise)
-        self.stream = int(stream)
+        self.stream: int | None = stream_id(stream) if isinstance(stream, str) else stream
+        if self.stream is not None and not 0 <= int(self.stream) < 2**32:
+            raise ValueError(f"dropout stream must be in [0, 2**32), got {stream}")
 
     def active(self) -> bool:
         return self.training and self.p > 0.0
@@ -98,6 +114,11 @@ class Dropout(nn.Module):
         col_offset: int = 0,
     ) -> torch.Tensor:
         """This site's mask for a block starting at (row_offset, col_offset)."""
+        if self.stream is None:
+            raise ValueError(
+                "this Dropout site has no stream, and sites sharing one draw the same mask: pass "
+                "stream= (an int or a name) or call twinshard.pair.reference.assign_dropout_streams(model)"
+            )
         return dropout_mask(
             shape,
             self.p,
@@ -123,3 +144,27 @@ class Dropout(nn.Module):
     def extra_repr(self) -> str:
         kind = "columnwise" if self.columnwise else "rowwise"
         return f"p={self.p}, {kind}, stream={self.stream}"
+
+
+def assign_dropout_streams(model: nn.Module) -> dict[str, int]:
+    """Give every ``Dropout`` in ``model`` without a stream the :func:`stream_id` of its qualified
+    name; raise if two sites end up with the same stream. Returns ``{name: stream}``.
+
+    Call it on the serial model and on its twin: both have the same module names, hence the
+    same streams, so the twin draws the serial masks.
+    """
+    streams: dict[str, int] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, Dropout):
+            if mod.stream is None:
+                mod.stream = stream_id(name or type(model).__name__)
+            streams[name] = int(mod.stream)
+    seen: dict[int, str] = {}
+    for name, st in streams.items():
+        if st in seen:
+            raise ValueError(
+                f"dropout sites {seen[st]!r} and {name!r} share stream {st}, so they would draw the "
+                "same mask: give one of them another stream="
+            )
+        seen[st] = name
+    return streams
