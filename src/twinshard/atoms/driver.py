@@ -23,10 +23,24 @@ Figures (per rank, reported by rank 0):
 - ``peak_memory_bytes_per_rank``: tensor bytes resident between steps (owned
   state, halo plan, neighbour list) plus the peak allocated during one force
   evaluation (forward + backward), from the profiler's allocator events on CPU
-  (``max_memory_allocated`` on CUDA). ``serial_peak_memory_bytes``: the same
-  for the serial engine.
+  (``max_memory_allocated`` on CUDA); it raises rather than report 0 when the
+  profiler cannot measure. ``serial_peak_memory_bytes``: the same for the
+  serial engine.
+- ``peak_rss_bytes_per_rank``: the process's peak resident memory (VmHWM) from
+  the first force evaluation to the end of the MD loop, reset at its start where
+  the kernel permits (``rss_reset_per_rank`` says whether it did); absolute, so it
+  includes the torch libraries and everything outside tensors (neighbour
+  lists, communication buffers). ``serial_peak_rss_bytes``: rank 0's process
+  over the serial reference run.
 - ``comm_bytes_per_step_per_rank``: ledger ``max(bytes_sent, bytes_recv)`` over
-  the MD loop divided by the steps.
+  the MD loop divided by the steps; modelled bytes (``comm_bytes_model``).
+- ``stress``/``virial`` (start) and ``final_stress``/``final_virial`` (end),
+  3x3, sign convention of :mod:`twinshard.atoms.potentials.base`.
+
+Restart: ``--checkpoint FILE --checkpoint-every K`` writes the gathered system,
+the step, the integrator settings, the RNG position and the bath heat
+atomically on rank 0; ``--restart FILE`` continues from it, at any rank count,
+up to ``--steps`` (which counts the whole run).
 - ``ghost_shell_estimate``: halo atoms one rank must import if its
   subdomain is a slab (fractional widths ``1/g_a``) and the ghost width is
   ``w = cutoff + skin``: ``rho V [prod_a (1/g_a + 2 w / h_a) - 1/P]`` with
@@ -48,12 +62,14 @@ from twinshard.atoms.md import (
     Langevin,
     SerialEngine,
     VelocityVerlet,
+    check_restart,
+    load_checkpoint,
     maxwell_boltzmann,
     simulate,
 )
 from twinshard.atoms.potentials import evaluate, make_potential
 from twinshard.atoms.system import System
-from twinshard.tensors.memory import peak_memory_during
+from twinshard.tensors.memory import RssWindow, peak_memory_during
 
 __all__ = [
     "MDConfig",
@@ -62,7 +78,9 @@ __all__ = [
     "config_from_args",
     "ghost_shell_estimate",
     "load_structure",
+    "lj_parameters",
     "md_rank",
+    "potential_from_config",
     "run_md",
 ]
 
@@ -111,6 +129,14 @@ class MDConfig:
     progress: bool = False
     rattle: float = 0.05
     serial_cache: str | None = None
+    epsilon: float | None = None
+    sigma: float | None = None
+    shift: bool = True
+    lj: list[str] | None = None
+    checkpoint: str | None = None
+    checkpoint_every: int = 0
+    restart: str | None = None
+    json_arrays: bool = False
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -145,6 +171,53 @@ def load_structure(cfg: MDConfig) -> System:
     if not bool(system.velocities.abs().gt(0).any()) and cfg.temperature > 0:
         system.velocities = maxwell_boltzmann(system.masses, system.ids, cfg.temperature, seed=cfg.seed)
     return system
+
+
+def lj_parameters(cfg: MDConfig, species: list[int]) -> dict[int, tuple[float, float]] | None:
+    """Per-species ``(epsilon eV, sigma A)`` from ``--epsilon/--sigma`` (every species) and
+    ``--lj SYMBOL:EPS:SIGMA`` (one species each, overriding); ``None``: the defaults."""
+    if cfg.epsilon is None and cfg.sigma is None and not cfg.lj:
+        return None
+    from ase.data import atomic_numbers
+
+    from twinshard.atoms.structures import lj_mixture_parameters
+
+    defaults = {18: (0.0104, 3.405), **lj_mixture_parameters()}
+    params: dict[int, tuple[float, float]] = {}
+    for z in species:
+        e, sg = defaults.get(z, (None, None))
+        e = cfg.epsilon if cfg.epsilon is not None else e
+        sg = cfg.sigma if cfg.sigma is not None else sg
+        if e is not None and sg is not None:
+            params[z] = (float(e), float(sg))
+    for spec in cfg.lj or []:
+        parts = str(spec).split(":")
+        if len(parts) != 3 or parts[0] not in atomic_numbers:
+            raise ValueError(f"--lj takes SYMBOL:EPSILON:SIGMA (e.g. Ar:0.0104:3.405), got {spec!r}")
+        try:
+            params[atomic_numbers[parts[0]]] = (float(parts[1]), float(parts[2]))
+        except ValueError:
+            raise ValueError(f"--lj takes SYMBOL:EPSILON:SIGMA with numbers, got {spec!r}") from None
+    missing = sorted(set(species) - set(params))
+    if missing:
+        raise ValueError(
+            f"no LJ parameters for atomic numbers {missing}: give --epsilon and --sigma, or "
+            "--lj SYMBOL:EPS:SIGMA for each species"
+        )
+    return params
+
+
+def potential_from_config(cfg: MDConfig, species: list[int]) -> Any:
+    """The potential ``twinshard md`` options describe, for the given atomic numbers."""
+    kw: dict[str, Any] = {} if cfg.cutoff is None else {"cutoff": cfg.cutoff}
+    if cfg.potential == "lj":
+        params = lj_parameters(cfg, species)
+        if params is not None:
+            kw["parameters"] = params
+        kw["shift"] = cfg.shift
+    elif cfg.epsilon is not None or cfg.sigma is not None or cfg.lj or not cfg.shift:
+        raise ValueError("--epsilon/--sigma/--lj/--no-shift are options of --potential lj")
+    return make_potential(cfg.potential, species, **kw)
 
 
 def make_integrator(cfg: MDConfig) -> VelocityVerlet:
@@ -261,7 +334,13 @@ def _by_id(ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def md_rank(cfg: MDConfig) -> dict[str, Any]:
-    """Run on every rank of the current world; rank 0 returns the full result dict."""
+    """Run on every rank of the current world; rank 0 returns the full result dict.
+
+    With ``cfg.restart`` the run continues from a checkpoint (any rank count: the
+    whole system is scattered again) up to step ``cfg.steps``; with
+    ``cfg.checkpoint`` it writes one every ``cfg.checkpoint_every`` steps and at the
+    end (gathered on rank 0, atomic).
+    """
     from twinshard.atoms.distributed import DistributedPotential
     from twinshard.atoms.sharded import ShardedSystem
     from twinshard.comm import CommLedger
@@ -272,18 +351,33 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     rank, nranks = world.rank, world.size
     system: System | None = None
     mask = torch.zeros(119, dtype=torch.int64)
+    resume = torch.zeros(2, dtype=torch.float64)  # [start step, bath heat so far]
     with agree_step("md: load the structure and check the options"):
-        make_integrator(cfg)  # option errors surface on every rank
+        integ = make_integrator(cfg)  # option errors surface on every rank
         if cfg.steps < 0:
             raise ValueError(f"steps must be >= 0, got {cfg.steps}")
+        if cfg.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
         if rank == 0:
-            system = load_structure(cfg)
+            if cfg.restart:
+                state = load_checkpoint(cfg.restart)
+                check_restart(state, integ, repr(cfg.restart))
+                if state["step"] > cfg.steps:
+                    raise ValueError(
+                        f"checkpoint {cfg.restart!r} is at step {state['step']} but --steps is "
+                        f"{cfg.steps}: --steps counts the whole run, give a larger total"
+                    )
+                system = state["system"]
+                resume[0], resume[1] = float(state["step"]), float(state["heat"])
+            else:
+                system = load_structure(cfg)
             mask[system.numbers.unique()] = 1
     mask = prim.broadcast(mask, 0, None, op="md_setup")
+    resume = prim.broadcast(resume, 0, None, op="md_setup")
+    start_step, heat0 = int(resume[0]), float(resume[1])
     species = torch.nonzero(mask).flatten().tolist()
     with agree_step("md: build the potential"):
-        kw = {} if cfg.cutoff is None else {"cutoff": cfg.cutoff}
-        potential = make_potential(cfg.potential, species, **kw)
+        potential = potential_from_config(cfg, species)
     sharded = ShardedSystem.scatter(
         system, 0, cutoff=float(potential.cutoff), skin=cfg.skin, partition=cfg.partition
     )
@@ -298,7 +392,8 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     )
     device = sharded.positions.device
 
-    # the start: parity figures and the per-rank memory of one force evaluation
+    rss = RssWindow().__enter__()  # resident peak: from the first force evaluation to the end of the loop
+    # the start: parity figures and the per-rank tensor memory of one force evaluation
     res0, peak = peak_memory_during(lambda: dp.compute(sharded, compute_stress=True), device)
     resident = _tensor_bytes(sharded)
     start_ids = start_forces = None
@@ -313,7 +408,6 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
             system = None  # rank 0 keeps no whole-system copy through the run
 
     engine = DistributedEngine(sharded, dp)
-    integ = make_integrator(cfg)
     with CommLedger() as ledger:
         out = simulate(
             engine,
@@ -324,12 +418,34 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
             trajectory=cfg.trajectory,
             trajectory_every=max(1, cfg.trajectory_every),
             progress=cfg.progress and rank == 0,
+            start_step=start_step,
+            heat=heat0,
+            checkpoint=cfg.checkpoint,
+            checkpoint_every=cfg.checkpoint_every,
         )
-    steps = max(cfg.steps, 1)
+    rss.__exit__(None, None, None)
+    steps = max(cfg.steps - start_step, 1)
     comm = max(ledger.bytes_sent, ledger.bytes_recv) / steps
+    fin = dp.compute(sharded, compute_stress=True)  # final stress and virial (collective)
+    final_ids = final_forces = None
+    if cfg.json_arrays:
+        counts = sharded.counts()
+        final_ids = prim.all_gather(sharded.ids.contiguous(), 0, None, counts, op="md_arrays")
+        final_forces = prim.all_gather(fin.forces.contiguous(), 0, None, counts, op="md_arrays")
     final = sharded.gather(0)
     stats = torch.tensor(
-        [[float(halo0), comm, float(resident + (peak or 0)), out["seconds"], float(sharded.n_owned)]],
+        [
+            [
+                float(halo0),
+                comm,
+                float(resident + peak),
+                out["seconds"],
+                float(sharded.n_owned),
+                float(rss.peak_bytes),
+                float(rss.start_bytes),
+                float(rss.reset),
+            ]
+        ],
         dtype=torch.float64,
     )
     stats = prim.all_gather(stats, 0, None, op="md_stats")
@@ -337,13 +453,20 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         return {"rank": rank}
     assert all_ids is not None and final is not None
     thermo = out["thermo"]
+
+    def mat(t: torch.Tensor | None) -> list[list[float]] | None:
+        return None if t is None else t.detach().cpu().double().tolist()
+
     result: dict[str, Any] = {
         "ranks": nranks,
         "atoms": sharded.n_total,
         "steps": cfg.steps,
+        "start_step": start_step,
         "potential": cfg.potential,
         "thermostat": cfg.thermostat,
-        "structure": cfg.structure or "fcc_argon",
+        "structure": cfg.restart or cfg.structure or "fcc_argon",
+        "restart": cfg.restart,
+        "checkpoint": cfg.checkpoint,
         "energy_rel_error": None,
         "max_force_error": None,
         "max_stress_error": None,
@@ -356,23 +479,51 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         # a block partition has no rank grid (the shell estimate then assumes P slabs)
         "rank_grid": list(sharded.partition.grid) if hasattr(sharded.partition, "grid") else None,
         "comm_bytes_per_step_per_rank": stats[:, 1].tolist(),
+        "comm_bytes_model": COMM_BYTES_MODEL,
         "peak_memory_bytes_per_rank": [int(v) for v in stats[:, 2].tolist()],
         "serial_peak_memory_bytes": None,
+        "peak_rss_bytes_per_rank": [int(v) for v in stats[:, 5].tolist()],
+        "rss_start_bytes_per_rank": [int(v) for v in stats[:, 6].tolist()],
+        "rss_reset_per_rank": [bool(v) for v in stats[:, 7].tolist()],
+        "rss_source": rss.source,
+        "serial_peak_rss_bytes": None,
         "seconds_per_step": float(stats[:, 3].max()) / steps,
         "serial_seconds_per_step": None,
         "energy": float(res0.energy),
+        "stress": mat(res0.stress),
+        "virial": mat(res0.virial),
         "final_potential": thermo.rows[-1]["potential"],
         "final_temperature": thermo.rows[-1]["temperature"],
+        "final_stress": mat(fin.stress),
+        "final_virial": mat(fin.virial),
         "conserved_drift": thermo.rows[-1]["conserved"] - thermo.rows[0]["conserved"],
         "atoms_conserved": bool(torch.equal(final.ids, all_ids)),
     }
+    if cfg.json_arrays:
+        assert final_ids is not None and final_forces is not None
+        result["final_ids"] = final.ids.tolist()
+        result["final_positions"] = final.positions.double().tolist()
+        result["final_velocities"] = final.velocities.double().tolist()
+        result["final_forces"] = _by_id(final_ids, final_forces).double().tolist()
     if cfg.check_serial:
         assert system is not None and start_ids is not None and start_forces is not None
-        result.update(_check_serial(cfg, potential, system, res0, start_ids, start_forces, final))
+        result.update(
+            _check_serial(cfg, potential, system, res0, start_ids, start_forces, final, start_step, heat0)
+        )
     return result
 
 
-def _serial_reference(cfg: MDConfig, potential: Any, system: System) -> dict[str, Any]:
+# How the ledger counts bytes (see twinshard.comm.ledger): a model of each collective, not a
+# measurement of the wire.
+COMM_BYTES_MODEL = (
+    "modelled by the CommLedger from each op's buffer sizes (an all_reduce booked as a ring: "
+    "2 (n-1)/n x buffer; *_object collectives as their pickled payloads), not measured on the wire"
+)
+
+
+def _serial_reference(
+    cfg: MDConfig, potential: Any, system: System, start_step: int = 0, heat: float = 0.0
+) -> dict[str, Any]:
     """Rank 0: serial start evaluation and trajectory (cached in ``cfg.serial_cache`` if set,
     so a benchmark over several rank counts runs the serial twin once)."""
     key = {
@@ -385,19 +536,29 @@ def _serial_reference(cfg: MDConfig, potential: Any, system: System) -> dict[str
         if cached.get("key") == key:
             return cached
     engine = SerialEngine(potential, system, skin=cfg.skin)
-    ref, peak = peak_memory_during(
-        lambda: evaluate(potential, system, engine.verlet), system.positions.device
-    )
-    resident = _tensor_bytes(engine.system, engine.verlet.edges)
-    run = simulate(engine, make_integrator(cfg), cfg.steps, thermo_every=max(1, cfg.thermo_every))
+    with RssWindow() as rss:
+        ref, peak = peak_memory_during(
+            lambda: evaluate(potential, system, engine.verlet), system.positions.device
+        )
+        resident = _tensor_bytes(engine.system, engine.verlet.edges)
+        run = simulate(
+            engine,
+            make_integrator(cfg),
+            cfg.steps,
+            thermo_every=max(1, cfg.thermo_every),
+            start_step=start_step,
+            heat=heat,
+        )
     out = {
         "key": key,
         "energy": ref.energy,
         "forces": _by_id(system.ids, ref.forces),
         "stress": ref.stress,
-        "peak": int(resident + (peak or 0)),
+        "virial": ref.virial,
+        "peak": int(resident + peak),
+        "peak_rss": rss.peak_bytes,
         "final_positions": _by_id(engine.system.ids, engine.system.positions),
-        "seconds_per_step": run["seconds"] / max(cfg.steps, 1),
+        "seconds_per_step": run["seconds"] / max(cfg.steps - start_step, 1),
         "final_potential": run["thermo"].rows[-1]["potential"],
     }
     if cfg.serial_cache:
@@ -413,20 +574,25 @@ def _check_serial(
     start_ids: torch.Tensor,
     start_forces: torch.Tensor,
     final: System,
+    start_step: int = 0,
+    heat: float = 0.0,
 ) -> dict[str, Any]:
     """Rank 0: differences between the distributed run and its serial twin."""
-    ref = _serial_reference(cfg, potential, system)
+    ref = _serial_reference(cfg, potential, system, start_step, heat)
     e_ref = float(ref["energy"])
     out: dict[str, Any] = {
         "energy_rel_error": abs(float(res0.energy) - e_ref) / max(abs(e_ref), 1e-300),
         "max_force_error": float((_by_id(start_ids, start_forces) - ref["forces"]).abs().max()),
         "serial_peak_memory_bytes": ref["peak"],
+        "serial_peak_rss_bytes": ref["peak_rss"],
         "max_position_error": float((final.positions - ref["final_positions"]).abs().max()),
         "serial_seconds_per_step": ref["seconds_per_step"],
         "serial_final_potential": ref["final_potential"],
     }
     if ref["stress"] is not None and res0.stress is not None:
         out["max_stress_error"] = float((res0.stress - ref["stress"]).abs().max())
+    if ref["virial"] is not None and res0.virial is not None:
+        out["max_virial_error"] = float((res0.virial - ref["virial"]).abs().max())
     return out
 
 
@@ -449,6 +615,25 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
         "fcc_argon, random_packing, triclinic_argon, lj_mixture",
     )
     p.add_argument("--potential", choices=("lj", "mpnn"), default="lj")
+    p.add_argument(
+        "--epsilon", type=float, default=None, help="LJ well depth in eV, every species (default: argon's)"
+    )
+    p.add_argument(
+        "--sigma", type=float, default=None, help="LJ length in Angstrom, every species (default: argon's)"
+    )
+    p.add_argument(
+        "--lj",
+        action="append",
+        default=None,
+        metavar="SYMBOL:EPS:SIGMA",
+        help="LJ parameters of one species (repeatable; overrides --epsilon/--sigma), e.g. Ar:0.0104:3.405",
+    )
+    p.add_argument(
+        "--no-shift",
+        dest="shift",
+        action="store_false",
+        help="LJ: truncate at the cutoff without shifting the energy to zero there",
+    )
     p.add_argument(
         "--cutoff",
         type=float,
@@ -487,12 +672,31 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--trajectory", default=None, help="write an extxyz trajectory here")
     p.add_argument("--trajectory-every", type=int, default=10)
     p.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="FILE",
+        help="write a restart checkpoint here (atomically) every --checkpoint-every steps and at the end",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K")
+    p.add_argument(
+        "--restart",
+        default=None,
+        metavar="FILE",
+        help="continue from a checkpoint (any rank count) up to --steps, which counts the whole run; "
+        "give the same --thermostat/--dt/--temperature/--friction/--seed and potential options",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=3600.0,
         help="seconds the whole run may take (any one collective may wait at most min(this, 300 s))",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    p.add_argument(
+        "--json-arrays",
+        action="store_true",
+        help="with --json: also the final ids, positions, velocities and forces (ordered by id)",
+    )
     p.set_defaults(func=run_md)
     return p
 
