@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from twinshard.pair.features import PairLayout, collect_tensor, shard_tensor
+from twinshard.pair.features import PairLayout, collect_tensor, real_part, shard_tensor, with_layout
 from twinshard.pair.layers import CPDropout, CPLayerNorm, CPLinear, CPTransition, pointwise, tokenwise
 from twinshard.pair.layers import dropout as cp_dropout
 from twinshard.pair.reference import Dropout, LayerNorm, Linear, Transition
@@ -103,7 +103,8 @@ def _rank_case(grid, case: str, kind: str, n: int, s: int, skip_reduction: bool)
         twin.drop.eval()
     layout = PairLayout.for_sizes(n, grid, s if kind == "msa" else None)
     x, mask = _inputs(kind, n, s)
-    xd = shard_tensor(x, kind, grid, layout).detach().requires_grad_(True)
+    xl = shard_tensor(x, kind, grid, layout).detach().requires_grad_(True)  # a leaf (no layout)
+    xd = with_layout(xl, layout, kind)
     md = shard_tensor(mask, kind, grid, layout)
     saved = tokenwise.replicated_params
     if skip_reduction:  # negative control: parameter gradients stay partial
@@ -117,9 +118,9 @@ def _rank_case(grid, case: str, kind: str, n: int, s: int, skip_reduction: bool)
         tokenwise.replicated_params = saved
     return TwinResult(
         out=y.detach(),
-        grads_in={"x": collect_tensor(xd.grad, layout, kind)},
+        grads_in={"x": collect_tensor(xl.grad, layout, kind)},
         param_grads={k: p.grad for k, p in twin.named_parameters()},
-        shards={"x": xd.to_local().detach(), "out": yd.to_local().detach()},
+        shards={"x": real_part(xd), "out": real_part(yd)},
         params=parameter_signature(twin),
     )
 
@@ -144,8 +145,9 @@ def _check(shape, cases, kind, n, s, results):
 
 
 # (grid, kind, N, S): every required grid; N divisible by lcm(rows, cols) and not
-# (13 on 2x2, 7 on 3x3 and 2x3, where whole padding rows/columns exist); one-token
-# shards on 3x3 with N=7 -> 9; single (replicated along grid rows) and MSA kinds.
+# (13 on 2x2 and 2x3, 7 on 3x3); one-token shards on 3x3 with N=7 -> 9 and on 2x3 with
+# N=13 -> 18; no grid row or column with padding only; single (replicated along grid rows)
+# and MSA kinds.
 CONFIGS = [
     ((1, 1), "pair", 5, 0),
     ((1, 2), "pair", 7, 0),
@@ -154,7 +156,7 @@ CONFIGS = [
     ((2, 2), "single", 13, 0),
     ((3, 3), "pair", 7, 0),
     ((3, 3), "msa", 7, 5),
-    ((2, 3), "pair", 7, 0),
+    ((2, 3), "pair", 13, 0),
     ((2, 3), "single", 6, 0),
     ((2, 3), "msa", 6, 3),
 ]

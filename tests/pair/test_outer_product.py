@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from twinshard.comm import primitives as P
-from twinshard.pair.features import PairLayout, collect_tensor, shard_tensor
+from twinshard.pair.features import PairLayout, collect_grad, collect_tensor, real_part, shard_tensor
 from twinshard.pair.layers import contraction
 from twinshard.pair.layers.outer_product import CPOuterProductMean
 from twinshard.pair.reference.outer_product import OuterProductMean
@@ -102,10 +101,14 @@ def _inputs(b: int, s: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return m, mask
 
 
+def _no_transpose(t, trans):
+    return t  # planted bug: a mirrored tile used untransposed
+
+
 def _rank_opm(grid, b, s, n, bug=None):
-    saved = contraction._TRANSPOSE_TILES
-    if bug == "transpose":  # negative control: A's mirrored tiles used untransposed
-        contraction._TRANSPOSE_TILES = False
+    saved = contraction._orient
+    if bug == "transpose":  # test scope: restored below, even on error
+        contraction._orient = _no_transpose
     try:
         serial = _serial_opm()
         twin = CPOuterProductMean(CM, H, CZ).double()
@@ -115,17 +118,17 @@ def _rank_opm(grid, b, s, n, bug=None):
         m.requires_grad_(True)
         md = shard_tensor(m, "msa", grid, layout)
         out = twin(md, shard_tensor(mask, "msa", grid, layout))
-        full = collect_tensor(out, layout, "pair")
+        full = collect_tensor(out)
         full.backward(random_grad_output(full, seed=4))
         return TwinResult(
             out=full.detach(),
-            grads_in={"m": P.all_reduce(m.grad)},  # each rank's m.grad covers its tile only
+            grads_in={"m": collect_grad(m.grad, "msa", grid)},  # each rank's m.grad: its tile
             param_grads={k: v.grad for k, v in twin.named_parameters()},
-            shards={"m": md.to_local().detach(), "out": out.to_local().detach()},
+            shards={"m": real_part(md), "out": real_part(out)},
             params=parameter_signature(twin),
         )
     finally:
-        contraction._TRANSPOSE_TILES = saved
+        contraction._orient = saved
 
 
 def _check(grid, b, s, n, ranks):
@@ -139,14 +142,15 @@ def _check(grid, b, s, n, ranks):
     )
 
 
-# (grid, S, N, B): S and N divisible by the grid and not.
+# (grid, S, N, B): S and N divisible by the grid and not; no grid row or column left with
+# padding only (every rank holds real data).
 CASES = [
     ((1, 1), 3, 5, 1),
     ((2, 2), 4, 8, 2),
     ((2, 2), 5, 13, 1),
-    ((3, 3), 4, 7, 1),
+    ((3, 3), 7, 7, 1),
     ((1, 2), 3, 6, 1),
-    ((2, 3), 5, 7, 1),
+    ((2, 3), 5, 13, 1),
 ]
 
 
@@ -158,5 +162,5 @@ def test_cp_opm_matches_serial(grid, s, n, b):
 def test_cp_opm_negative_control_transposed_tile():
     grid, s, n = (2, 2), 4, 4  # square MSA tiles, so the planted bug runs and must fail parity
     ranks = run_on_grid(_rank_opm, grid, 1, s, n, "transpose")
-    with pytest.raises(AssertionError, match="parity of opm"):
+    with pytest.raises(AssertionError, match=r"opm S=4 N=4 B=1: out: rank \d's piece differs"):
         _check(grid, 1, s, n, ranks)

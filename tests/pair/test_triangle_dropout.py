@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from twinshard.comm import primitives as P
-from twinshard.pair.features import PairLayout, collect_tensor, shard_tensor
+from twinshard.pair.features import PairLayout, collect_grad, collect_tensor, real_part, shard_tensor
 from twinshard.pair.layers import CPDropout, pointwise
 from twinshard.pair.layers.triangle import CPTriangleMultiplication
 from twinshard.pair.reference import Dropout
@@ -62,14 +61,14 @@ def _rank(grid, n, direction, p, columnwise):
     full.backward(random_grad_output(full, seed=5))
     return TwinResult(
         out=full.detach(),
-        grads_in={"z": P.all_reduce(z.grad)},  # each rank's z.grad holds its own tile only
+        grads_in={"z": collect_grad(z.grad, "pair", grid)},  # each rank's z.grad: its own tile
         param_grads={k: v.grad for k, v in twin.named_parameters()},
-        shards={"out": out.to_local().detach()},
+        shards={"z": real_part(zd), "out": real_part(out)},
         params=parameter_signature(twin),
     )
 
 
-CASES = [((2, 2), 13), ((2, 3), 7), ((3, 3), 7)]
+CASES = [((2, 2), 13), ((2, 3), 13), ((3, 3), 7)]  # padding on each; every rank holds real data
 
 
 @pytest.mark.parametrize("direction,columnwise", [("outgoing", False), ("incoming", True)])
