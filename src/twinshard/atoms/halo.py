@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard.comm import primitives as prim
+from twinshard.runtime.world import require_world
 
 __all__ = ["HaloPlan", "frame_coordinates", "rank_box", "neighbour_ranks", "select_ghosts"]
 
@@ -53,7 +54,7 @@ def frame_coordinates(
     Returns ``(frac_in_frame, shift)`` with integer ``shift [n, 3]`` (zero on
     open axes) such that ``frac_in_frame = frac + shift``.
     """
-    shift = torch.zeros(frac.shape, dtype=torch.int64)
+    shift = torch.zeros(frac.shape, dtype=torch.int64, device=frac.device)
     for a in range(3):
         if pbc[a]:
             shift[:, a] = -torch.floor(frac[:, a] - float(centre[a]) + 0.5).to(torch.int64)
@@ -65,10 +66,11 @@ def rank_box(frac_frame: torch.Tensor, region: tuple[torch.Tensor, torch.Tensor]
 
     An empty box (no region, no atoms) is ``lo = +inf, hi = -inf``.
     """
-    lo = torch.full((3,), math.inf, dtype=torch.float64)
-    hi = torch.full((3,), -math.inf, dtype=torch.float64)
+    dev = frac_frame.device
+    lo = torch.full((3,), math.inf, dtype=torch.float64, device=dev)
+    hi = torch.full((3,), -math.inf, dtype=torch.float64, device=dev)
     if region is not None:
-        lo, hi = region[0].clone(), region[1].clone()
+        lo, hi = region[0].to(dev, copy=True), region[1].to(dev, copy=True)
     if frac_frame.shape[0]:
         lo = torch.minimum(lo, frac_frame.min(0).values)
         hi = torch.maximum(hi, frac_frame.max(0).values)
@@ -141,11 +143,12 @@ def select_ghosts(
         ``idx [k]`` rows of ``frac_frame`` and ``shift [k, 3]`` integer images,
         ordered by image then row, so the order is deterministic.
     """
-    n = frac_frame.shape[0]
+    n, dev = frac_frame.shape[0], frac_frame.device
+    none = torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, 3, dtype=torch.int64, device=dev)
     if n == 0 or _empty(box):
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 3, dtype=torch.int64)
-    k0 = torch.zeros(n, 3, dtype=torch.int64)
-    cnt = torch.zeros(n, 3, dtype=torch.int64)
+        return none
+    k0 = torch.zeros(n, 3, dtype=torch.int64, device=dev)
+    cnt = torch.zeros(n, 3, dtype=torch.int64, device=dev)
     for a in range(3):
         f = frac_frame[:, a]
         lo = float(box[0, a]) - float(margin[a])
@@ -163,7 +166,7 @@ def select_ghosts(
         kc, cc = k0[cand], cnt[cand]
         mx = cc.max(0).values.tolist()
         for j in itertools.product(range(mx[0]), range(mx[1]), range(mx[2])):
-            jt = torch.tensor(j, dtype=torch.int64)
+            jt = torch.tensor(j, dtype=torch.int64, device=dev)
             valid = (jt < cc).all(1)
             s = kc + jt
             if exclude_self:
@@ -172,7 +175,7 @@ def select_ghosts(
                 idx_out.append(cand[valid])
                 shift_out.append(s[valid])
     if not idx_out:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 3, dtype=torch.int64)
+        return none
     return torch.cat(idx_out), torch.cat(shift_out)
 
 
@@ -244,10 +247,12 @@ class HaloPlan:
         w = float(partition.ghost_width if ghost_width is None else ghost_width)
         pbc = partition.pbc
         margin = w / partition.heights()
-        frac = frac.to(torch.float64)
+        frac, ids = frac.detach().to("cpu", torch.float64), ids.cpu()  # host-side planning
         frame, owned_shift = frame_coordinates(frac, partition.frame_center(me), pbc)
         box = rank_box(frame, partition.region(me))
-        boxes = prim.all_gather(box[None], 0, group, op="halo_plan").reshape(nranks, 2, 3)
+        # planning runs on the host (frac is a CPU tensor); payloads travel on the world's device
+        dev = require_world("HaloPlan.build").device
+        boxes = prim.all_gather(box[None].to(dev), 0, group, op="halo_plan").reshape(nranks, 2, 3).cpu()
         peers = neighbour_ranks(boxes, margin, pbc, me)
         send_idx, send_shift = {}, {}
         for q in peers:
@@ -256,7 +261,10 @@ class HaloPlan:
             send_shift[q] = s + owned_shift[idx]
         gpeer = [_global(group, q) for q in peers]
         counts = _exchange(
-            [(gp, torch.tensor([send_idx[q].numel()], dtype=torch.int64)) for q, gp in zip(peers, gpeer)],
+            [
+                (gp, torch.tensor([send_idx[q].numel()], dtype=torch.int64, device=dev))
+                for q, gp in zip(peers, gpeer)
+            ],
             [(gp, (1,)) for gp in gpeer],
             torch.int64,
             "halo_plan",
@@ -264,7 +272,7 @@ class HaloPlan:
         recv_counts = {q: int(c[0]) for q, c in zip(peers, counts)}
         payload = _exchange(
             [
-                (gp, torch.cat([ids[send_idx[q]].to(torch.int64)[:, None], send_shift[q]], 1))
+                (gp, torch.cat([ids[send_idx[q]].to(torch.int64)[:, None], send_shift[q]], 1).to(dev))
                 for q, gp in zip(peers, gpeer)
                 if send_idx[q].numel()
             ],
@@ -272,18 +280,19 @@ class HaloPlan:
             torch.int64,
             "halo_plan",
         )
-        rows = torch.cat(payload) if payload else torch.zeros(0, 4, dtype=torch.int64)
+        rows = torch.cat(payload).cpu() if payload else torch.zeros(0, 4, dtype=torch.int64, device="cpu")
         return HaloPlan(
             rank=me,
             peers=peers,
             global_peers=dict(zip(peers, gpeer)),
             n_owned=int(frac.shape[0]),
-            send_idx=send_idx,
+            # what the per-step exchanges index with lives on the world's device (no copy per step)
+            send_idx={q: v.to(dev) for q, v in send_idx.items()},
             send_shift=send_shift,
             recv_counts=recv_counts,
             halo_ids=rows[:, 0].contiguous(),
-            halo_shift=rows[:, 1:].contiguous(),
-            owned_shift=owned_shift,
+            halo_shift=rows[:, 1:].to(dev).contiguous(),
+            owned_shift=owned_shift.to(dev),
         )
 
     # ----------------------------------------------------------- exchanges

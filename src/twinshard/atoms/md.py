@@ -369,7 +369,10 @@ def simulate(
     # (a sum of local sums), so a thermostat adds no collective to unlogged steps. A restart
     # carries the global sum so far on rank 0.
     heat_local = torch.full(
-        (), float(heat) if engine.rank == 0 else 0.0, dtype=engine.positions.dtype, device=engine.positions.device
+        (),
+        float(heat) if engine.rank == 0 else 0.0,
+        dtype=engine.positions.dtype,
+        device=engine.positions.device,
     )
 
     def global_sums() -> tuple[float, float]:

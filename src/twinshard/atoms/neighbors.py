@@ -66,7 +66,7 @@ def neighbor_list(
     if not cutoff > 0:
         raise ValueError(f"cutoff must be positive, got {cutoff}")
     dtype, device = positions.dtype, positions.device
-    pbc_t = torch.as_tensor(pbc, dtype=torch.bool).flatten()
+    pbc_t = torch.as_tensor(pbc, dtype=torch.bool, device="cpu").flatten()
     if pbc_t.numel() == 1:
         pbc_t = pbc_t.expand(3)
     if cell is None:

@@ -45,7 +45,7 @@ class PartitionError(ValueError):
 
 
 def _as_cell(cell: torch.Tensor) -> torch.Tensor:
-    cell = torch.as_tensor(cell, dtype=torch.float64)
+    cell = torch.as_tensor(cell, dtype=torch.float64, device="cpu")
     if cell.shape != (3, 3):
         raise PartitionError(f"cell must be 3x3 (rows are lattice vectors), got {tuple(cell.shape)}")
     return cell
@@ -67,7 +67,7 @@ def fractional(
 ) -> torch.Tensor:
     """Fractional coordinates ``(x - origin) @ inv(cell)`` in fp64 (unwrapped)."""
     cell = _as_cell(cell)
-    x = torch.as_tensor(positions).to(torch.float64)
+    x = torch.as_tensor(positions, device="cpu").to(torch.float64)
     if origin is not None:
         x = x - origin.to(torch.float64)
     return x @ torch.linalg.inv(cell)
@@ -151,7 +151,7 @@ class SpatialPartition:
         if len(pbc_t) != 3:
             raise PartitionError(f"pbc must have 3 entries, got {pbc_t}")
         cell = _as_cell(cell).clone()
-        origin = torch.zeros(3, dtype=torch.float64)
+        origin = torch.zeros(3, dtype=torch.float64, device="cpu")
         lengths = torch.linalg.vector_norm(cell, dim=1)
         if bool((lengths < 1e-12).any()):
             if any(pbc_t) or positions is None:
@@ -161,9 +161,9 @@ class SpatialPartition:
                 )
             # Molecule in vacuum: a box around the atoms; every axis is open so
             # nothing leaves it for good (outer slabs extend to infinity).
-            x = torch.as_tensor(positions).to(torch.float64)
-            lo = x.min(0).values if x.shape[0] else torch.zeros(3, dtype=torch.float64)
-            hi = x.max(0).values if x.shape[0] else torch.ones(3, dtype=torch.float64)
+            x = torch.as_tensor(positions, device="cpu").to(torch.float64)
+            lo = x.min(0).values if x.shape[0] else torch.zeros(3, dtype=torch.float64, device="cpu")
+            hi = x.max(0).values if x.shape[0] else torch.ones(3, dtype=torch.float64, device="cpu")
             cell = torch.diag(torch.clamp(hi - lo, min=1.0))
             origin = lo
         if abs(float(torch.linalg.det(cell))) < 1e-12:
@@ -225,8 +225,8 @@ class SpatialPartition:
     def region(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fractional ``(lo, hi)`` of rank's slab, in its own frame (open ends are +-inf)."""
         c = self.coords_of(rank)
-        lo = torch.empty(3, dtype=torch.float64)
-        hi = torch.empty(3, dtype=torch.float64)
+        lo = torch.empty(3, dtype=torch.float64, device="cpu")
+        hi = torch.empty(3, dtype=torch.float64, device="cpu")
         for a in range(3):
             lo[a] = c[a] / self.grid[a]
             hi[a] = (c[a] + 1) / self.grid[a]
@@ -240,7 +240,9 @@ class SpatialPartition:
     def frame_center(self, rank: int) -> torch.Tensor:
         """Centre of rank's frame per axis: the slab midpoint (periodic axes only matter)."""
         c = self.coords_of(rank)
-        return torch.tensor([(c[a] + 0.5) / self.grid[a] for a in range(3)], dtype=torch.float64)
+        return torch.tensor(
+            [(c[a] + 0.5) / self.grid[a] for a in range(3)], dtype=torch.float64, device="cpu"
+        )
 
     def slab_index(self, frac: torch.Tensor) -> torch.Tensor:
         """Grid coordinates ``[n, 3]`` of the slab holding each (unwrapped) fractional point."""
@@ -248,7 +250,7 @@ class SpatialPartition:
         for a in range(3):
             if self.pbc[a]:
                 f[:, a] = f[:, a] - torch.floor(f[:, a])
-        g = torch.tensor(self.grid, dtype=torch.int64)
+        g = torch.tensor(self.grid, dtype=torch.int64, device=frac.device)
         idx = torch.floor(f * g.to(torch.float64))
         # Open axes: outer slabs extend to infinity; periodic: guard f == 1 - ulp rounding.
         return torch.minimum(torch.clamp(idx, min=0).to(torch.int64), g - 1)
@@ -274,8 +276,8 @@ class SpatialPartition:
             return new
         current = current.to(torch.int64)
         margin = hysteresis / cell_heights(self.cell)
-        keep = torch.ones(frac.shape[0], dtype=torch.bool)
-        g = torch.tensor(self.grid, dtype=torch.int64)
+        keep = torch.ones(frac.shape[0], dtype=torch.bool, device=frac.device)
+        g = torch.tensor(self.grid, dtype=torch.int64, device=frac.device)
         cc = torch.stack([current // (g1 * g2), (current // g2) % g1, current % g2], dim=1)
         for a in range(3):
             lo = cc[:, a].to(torch.float64) / self.grid[a]
@@ -330,19 +332,19 @@ class BlockPartition:
         for r in range(nranks):
             offsets.append(offsets[-1] + base + (1 if r < extra else 0))
         return BlockPartition(
-            cell, pbc_t, tuple(offsets), torch.zeros(3, dtype=torch.float64), float(ghost_width)
+            cell, pbc_t, tuple(offsets), torch.zeros(3, dtype=torch.float64, device="cpu"), float(ghost_width)
         )
 
     def fractional(self, positions: torch.Tensor) -> torch.Tensor:
         if abs(float(torch.linalg.det(self.cell))) < 1e-12:
             # Open system with no cell: fractional == cartesian (unit "cell").
-            return torch.as_tensor(positions).to(torch.float64)
+            return torch.as_tensor(positions, device="cpu").to(torch.float64)
         return fractional(positions, self.cell, self.origin)
 
     def heights(self) -> torch.Tensor:
         """Face-to-face thickness per axis (unit lengths when there is no cell)."""
         if abs(float(torch.linalg.det(self.cell))) < 1e-12:
-            return torch.ones(3, dtype=torch.float64)
+            return torch.ones(3, dtype=torch.float64, device="cpu")
         return cell_heights(self.cell)
 
     def region(self, rank: int) -> None:
@@ -352,7 +354,7 @@ class BlockPartition:
 
     def frame_center(self, rank: int) -> torch.Tensor:
         del rank
-        return torch.full((3,), 0.5, dtype=torch.float64)
+        return torch.full((3,), 0.5, dtype=torch.float64, device="cpu")
 
     def owner_of(
         self,
@@ -365,5 +367,5 @@ class BlockPartition:
         del frac, current, hysteresis
         if ids is None:
             raise PartitionError("a block partition needs global ids to assign owners")
-        bounds = torch.tensor(self.offsets[1:], dtype=torch.int64)
+        bounds = torch.tensor(self.offsets[1:], dtype=torch.int64, device=ids.device)
         return torch.searchsorted(bounds, ids.to(torch.int64), right=True)

@@ -98,6 +98,7 @@ class ShardedSystem:
         self.group: dist.ProcessGroup | None = None
         self.rank = 0
         self.nranks = 1
+        self.device = torch.device("cpu")  # the world's, set by scatter: per-atom data lives there
         self.positions = torch.zeros(0, 3, dtype=torch.float64)
         self.velocities = torch.zeros(0, 3, dtype=torch.float64)
         self.masses = torch.zeros(0, dtype=torch.float64)
@@ -164,6 +165,7 @@ class ShardedSystem:
             raise ValueError(f"src={src} is not a rank of a group of {nranks}")
         self = cls()
         self.group, self.rank, self.nranks = group, me, nranks
+        self.device = dev = require_world("ShardedSystem.scatter").device
         self.cutoff, self.skin, self.hysteresis = float(cutoff), float(skin), hyst
         system: System | None = None
         payload = b""
@@ -184,14 +186,16 @@ class ShardedSystem:
                     "partition": part,
                 }
                 payload = pickle.dumps(header)
-        length = prim.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src, group, op="scatter")
+        length = prim.broadcast(
+            torch.tensor([len(payload)], dtype=torch.int64, device=dev), src, group, op="scatter"
+        )
         raw = (
-            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
             if me == src
-            else torch.zeros(int(length[0]), dtype=torch.uint8)
+            else torch.zeros(int(length[0]), dtype=torch.uint8, device=dev)
         )
         raw = prim.broadcast(raw, src, group, op="scatter")
-        header = pickle.loads(raw.numpy().tobytes())  # our own source rank's bytes
+        header = pickle.loads(raw.cpu().numpy().tobytes())  # our own source rank's bytes
         self.n_total = int(header["n"])
         self._schema = header["schema"]
         self.cell, self.pbc, self.info = header["cell"], header["pbc"], header["info"]
@@ -207,12 +211,12 @@ class ShardedSystem:
             )
             owners = self.partition.owner_of(self.partition.fractional(system.positions[order]), keys)
             order = order[torch.sort(owners, stable=True).indices]
-            counts = torch.bincount(owners, minlength=nranks).to(torch.int64)
-            fields = {name: self._field_of(system, name)[order] for name, _, _ in self._schema}
+            counts = torch.bincount(owners, minlength=nranks).to(dev, torch.int64)
+            fields = {name: self._field_of(system, name)[order].to(dev) for name, _, _ in self._schema}
         else:
-            counts = torch.zeros(nranks, dtype=torch.int64)
-            fields = {name: torch.zeros((0,) + tail, dtype=dt) for name, dt, tail in self._schema}
-        counts = prim.broadcast(counts, src, group, op="scatter")
+            counts = torch.zeros(nranks, dtype=torch.int64, device=dev)
+            fields = {name: torch.zeros((0,) + tail, dtype=dt, device=dev) for name, dt, tail in self._schema}
+        counts = prim.broadcast(counts, src, group, op="scatter").cpu()
         send = counts.tolist() if me == src else [0] * nranks
         recv = [0] * nranks
         recv[src] = int(counts[me])
@@ -297,7 +301,7 @@ class ShardedSystem:
 
     def counts(self) -> list[int]:
         """Owned atoms per rank (collective: one all_gather)."""
-        c = torch.tensor([self.n_owned], dtype=torch.int64)
+        c = torch.tensor([self.n_owned], dtype=torch.int64, device=self.device)
         return prim.all_gather(c, 0, self.group, op="gather").tolist()
 
     def gather(self, dst: int = 0) -> System | None:
@@ -337,8 +341,12 @@ class ShardedSystem:
         d = (self.positions.detach() - self._ref).norm(dim=1)
         local = float(d.max()) if d.numel() else 0.0
         bad = int((~torch.isfinite(self.positions.detach()).all(1)).sum())
-        stats = torch.tensor([[local if math.isfinite(local) else math.inf, float(bad)]], dtype=torch.float64)
-        allstats = prim.all_gather(stats, 0, self.group, op="update")
+        stats = torch.tensor(
+            [[local if math.isfinite(local) else math.inf, float(bad)]],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        allstats = prim.all_gather(stats, 0, self.group, op="update").cpu()
         if bool((allstats[:, 1] > 0).any()):
             where = {r: int(allstats[r, 1]) for r in range(self.nranks) if allstats[r, 1] > 0}
             raise ValueError(
@@ -371,13 +379,16 @@ class ShardedSystem:
         part = self.partition
         if isinstance(part, BlockPartition) or self.nranks == 1:
             return
-        frac = part.fractional(self.positions.detach())
-        cur = torch.full((self.n_owned,), self.rank, dtype=torch.int64)
-        dest = part.owner_of(frac, self.ids, current=cur, hysteresis=self.hysteresis)
-        order = torch.sort(dest, stable=True).indices
+        # ownership is planned on the host; the payloads travel on the world's device
+        dev = self.device
+        frac = part.fractional(self.positions.detach().cpu())
+        cur = torch.full((self.n_owned,), self.rank, dtype=torch.int64, device="cpu")
+        dest = part.owner_of(frac, self.ids.cpu(), current=cur, hysteresis=self.hysteresis)
+        order = torch.sort(dest, stable=True).indices.to(dev)
         send = torch.bincount(dest, minlength=self.nranks).to(torch.int64)
-        recv = prim.all_to_all(send, [1] * self.nranks, [1] * self.nranks, self.group, op="migrate")
-        moved = prim.all_reduce(torch.tensor([int(self.n_owned - send[self.rank])]), self.group, op="migrate")
+        recv = prim.all_to_all(send.to(dev), [1] * self.nranks, [1] * self.nranks, self.group, op="migrate")
+        left = torch.tensor([int(self.n_owned - send[self.rank])], device=dev)
+        moved = prim.all_reduce(left, self.group, op="migrate")
         self.migrations += int(moved[0])
         if int(moved[0]) == 0:
             return
@@ -387,7 +398,7 @@ class ShardedSystem:
     def _build(self) -> None:
         part = self.partition
         x = self.positions.detach()
-        self.plan = HaloPlan.build(part.fractional(x), self.ids, part, group=self.group)
+        self.plan = HaloPlan.build(part.fractional(x.cpu()), self.ids, part, group=self.group)
         self.halo_numbers = self.plan.forward(self.numbers)
         block = self.plan.padded_positions(x, self.cell)
         edges = neighbor_list(block, self.cutoff + self.skin)

@@ -47,7 +47,7 @@ def default_masses(numbers: torch.Tensor, dtype: torch.dtype = torch.float64) ->
 
 
 def _as_pbc(pbc: bool | Sequence[bool] | torch.Tensor) -> torch.Tensor:
-    t = torch.as_tensor(pbc, dtype=torch.bool).flatten()
+    t = torch.as_tensor(pbc, dtype=torch.bool, device="cpu").flatten()
     if t.numel() == 1:
         t = t.expand(3).clone()
     if t.numel() != 3:
@@ -86,7 +86,8 @@ class System:
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        pos = torch.as_tensor(self.positions)
+        # a tensor stays where it is (as_tensor would move it to a non-CPU default device)
+        pos = self.positions if isinstance(self.positions, torch.Tensor) else torch.as_tensor(self.positions)
         if not pos.is_floating_point():
             pos = pos.to(torch.float64)
         self.positions = pos

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard.comm.ledger import record
+from twinshard.comm.placement import check_payload
 from twinshard.runtime.world import get_world
 
 Group = dist.ProcessGroup | None
@@ -66,6 +67,7 @@ def _pad0(x: torch.Tensor, m: int) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor, group: Group = None, op: str = "all_reduce") -> torch.Tensor:
     """Sum of ``x`` over the group (a new tensor, x's dtype, summed in reduce_dtype)."""
+    check_payload(op, x)
     n = group_size(group)
     if n == 1:
         return x.clone()
@@ -80,6 +82,7 @@ def all_gather(
     x: torch.Tensor, dim: int, group: Group = None, sizes: Sequence[int] | None = None, op: str = "all_gather"
 ) -> torch.Tensor:
     """Concatenate every rank's block along ``dim``; ``sizes`` gives uneven block sizes."""
+    check_payload(op, x)
     n = group_size(group)
     if n == 1:
         return x.clone()
@@ -107,6 +110,7 @@ def reduce_scatter(
     op: str = "reduce_scatter",
 ) -> torch.Tensor:
     """Sum over the group, then keep this rank's block along ``dim`` (``sizes``: uneven blocks)."""
+    check_payload(op, x)
     n = group_size(group)
     if n == 1:
         return x.clone()
@@ -140,6 +144,7 @@ def all_to_all(
     op: str = "all_to_all",
 ) -> torch.Tensor:
     """Rows ``x[sum(send_splits[:j]) : ...]`` go to group rank j; blocks come back in rank order."""
+    check_payload(op, x)
     n = group_size(group)
     send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
     if len(send_splits) != n or len(recv_splits) != n or sum(send_splits) != x.shape[0]:
@@ -161,6 +166,7 @@ def all_to_all(
 
 def broadcast(x: torch.Tensor, src: int = 0, group: Group = None, op: str = "broadcast") -> torch.Tensor:
     """``x`` of group rank ``src`` on every rank (others pass a tensor of the same shape and dtype)."""
+    check_payload(op, x)
     n = group_size(group)
     if n == 1:
         return x.clone()
@@ -173,6 +179,7 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group = None, op: str = "bro
 
 def reduce(x: torch.Tensor, dst: int = 0, group: Group = None, op: str = "reduce") -> torch.Tensor:
     """Sum over the group on group rank ``dst`` (zeros elsewhere), summed in reduce_dtype."""
+    check_payload(op, x)
     n = group_size(group)
     if n == 1:
         return x.clone()
@@ -213,9 +220,10 @@ def exchange(
     me = dist.get_rank()
     if dtype is None:
         dtype = sends[0][1].dtype if sends else torch.float64
-    # a rank that only receives still needs its buffers on the backend's device (CUDA for NCCL)
+    # receive buffers live on the world's device (CUDA under NCCL), whatever the sends' device
     world = get_world()
-    device = sends[0][1].device if sends else (world.device if world else torch.device("cpu"))
+    device = world.device if world else (sends[0][1].device if sends else torch.device("cpu"))
+    check_payload(op, *(t for _, t in sends))
     send_peers = [p for p, _ in sends]
     recv_peers = [p for p, _ in recvs]
     if len(set(send_peers)) != len(send_peers) or len(set(recv_peers)) != len(recv_peers):

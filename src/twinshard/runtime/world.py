@@ -2,9 +2,11 @@
 
 One world per process. ``init_world()`` joins a world that ``torchrun`` set up
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); ``twinshard.runtime.pool``
-spawns local ranks and attaches them with ``attach_world``. Backend: NCCL when
-CUDA is available, gloo otherwise. Every collective times out after
-``timeout`` seconds (default 60).
+spawns local ranks and attaches them with ``attach_world``. Backend:
+``cpu:gloo,cuda:nccl`` when CUDA is available (one group serves CUDA payloads over
+NCCL and CPU ones, object collectives included, over gloo), gloo otherwise; the
+world's ``device`` (CUDA or CPU) is where per-atom data and collective payloads
+live. Every collective times out after ``timeout`` seconds (default 60).
 """
 
 from __future__ import annotations
@@ -43,8 +45,13 @@ _WORLD: World | None = None
 
 
 def choose_backend() -> str:
-    """NCCL when CUDA is usable, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    """``cpu:gloo,cuda:nccl`` when CUDA is usable (both devices served), gloo otherwise."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def uses_cuda(backend: str) -> bool:
+    """Whether a backend string (``nccl``, ``cpu:gloo,cuda:nccl``, ...) puts the world on CUDA."""
+    return "nccl" in backend
 
 
 def set_threads(threads: int | None) -> None:
@@ -69,7 +76,7 @@ def attach_world(
         raise WorldError("a world is already initialised in this process; call shutdown_world() first")
     backend = backend or choose_backend()
     device = torch.device("cpu")
-    if backend == "nccl":
+    if uses_cuda(backend):
         device = torch.device(
             "cuda", local_rank if local_rank is not None else rank % torch.cuda.device_count()
         )

@@ -53,10 +53,19 @@ def philox4x32(counter: list[torch.Tensor], key: tuple[int, int], rounds: int = 
 def _counters(keys: tuple[torch.Tensor | int, ...], device: torch.device | None) -> list[torch.Tensor]:
     if not 1 <= len(keys) <= 3:
         raise ValueError(f"give 1 to 3 key words, got {len(keys)}")
+    for k in keys:
+        if isinstance(k, int) and not 0 <= k <= _MASK32:
+            raise ValueError(f"random keys must be integers in [0, 2**32), got {k}")
     ts = [torch.as_tensor(k, dtype=torch.int64, device=device) for k in keys]
     for t in ts:
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) > _MASK32):
-            raise ValueError("random keys must be integers in [0, 2**32)")
+        if not t.numel():
+            continue
+        bad = (t < 0) | (t > _MASK32)
+        if t.device.type == "cpu":
+            if bool(bad.any()):
+                raise ValueError("random keys must be integers in [0, 2**32)")
+        else:  # no host sync on an accelerator: the check runs on the device, asynchronously
+            torch._assert_async(~bad.any(), "random keys must be integers in [0, 2**32)")
     ts = list(torch.broadcast_tensors(*ts))
     while len(ts) < 3:
         ts.append(torch.zeros_like(ts[0]))
