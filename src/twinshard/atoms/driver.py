@@ -345,6 +345,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     from twinshard.atoms.sharded import ShardedSystem
     from twinshard.comm import CommLedger
     from twinshard.comm import primitives as prim
+    from twinshard.comm.ledger import BYTES_MODEL
     from twinshard.runtime import agree_step, require_world
 
     world = require_world("twinshard md")
@@ -479,7 +480,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         # a block partition has no rank grid (the shell estimate then assumes P slabs)
         "rank_grid": list(sharded.partition.grid) if hasattr(sharded.partition, "grid") else None,
         "comm_bytes_per_step_per_rank": stats[:, 1].tolist(),
-        "comm_bytes_model": COMM_BYTES_MODEL,
+        "comm_bytes_model": BYTES_MODEL,
         "peak_memory_bytes_per_rank": [int(v) for v in stats[:, 2].tolist()],
         "serial_peak_memory_bytes": None,
         "peak_rss_bytes_per_rank": [int(v) for v in stats[:, 5].tolist()],
@@ -511,14 +512,6 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
             _check_serial(cfg, potential, system, res0, start_ids, start_forces, final, start_step, heat0)
         )
     return result
-
-
-# How the ledger counts bytes (see twinshard.comm.ledger): a model of each collective, not a
-# measurement of the wire.
-COMM_BYTES_MODEL = (
-    "modelled by the CommLedger from each op's buffer sizes (an all_reduce booked as a ring: "
-    "2 (n-1)/n x buffer; *_object collectives as their pickled payloads), not measured on the wire"
-)
 
 
 def _serial_reference(

@@ -5,7 +5,8 @@ For each rank count P the benchmark runs ``twinshard md`` (rank function
 argon with at least 32,768 atoms and the message-passing potential — with
 ``--check-serial``; the serial twin runs once and is reused for every P. The
 last stdout line is one JSON object whose ``runs`` list holds, per P, an
-object with the keys of ``twinshard md --json`` (per-rank peak tensor memory,
+object with the keys of ``twinshard md --json`` (per-rank peak tensor memory and
+peak resident memory,
 halo atoms and the ghost-shell estimate, bytes per step, time per step, and
 the parity errors against serial), plus a summary against the targets:
 
@@ -94,7 +95,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not args.json:
                 print(
                     f"P={p}: peak/rank {max(r['peak_memory_bytes_per_rank']) / 2**20:.1f} MiB "
-                    f"(serial {r['serial_peak_memory_bytes'] / 2**20:.1f}), halo/rank "
+                    f"(serial {r['serial_peak_memory_bytes'] / 2**20:.1f}), resident peak/rank "
+                    f"{max(r['peak_rss_bytes_per_rank']) / 2**20:.0f} MiB, halo/rank "
                     f"{max(r['halo_atoms_per_rank'])} (shell {r['ghost_shell_estimate']:.0f}), "
                     f"{max(r['comm_bytes_per_step_per_rank']) / 2**10:.1f} KiB/step, "
                     f"{r['seconds_per_step']:.3f} s/step (serial {r['serial_seconds_per_step']:.3f}), "
@@ -128,6 +130,10 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "memory_ratio_at_max_ranks": memory_ratio,
         "memory_target": MEMORY_TARGET,
         "memory_target_met": memory_ratio <= MEMORY_TARGET if last["ranks"] >= 4 else None,
+        # resident peaks (VmHWM; absolute, torch libraries included) beside the tensor figures
+        "peak_rss_bytes_at_max_ranks": max(last["peak_rss_bytes_per_rank"]),
+        "serial_peak_rss_bytes": last["serial_peak_rss_bytes"],
+        "rss_reset": all(all(r["rss_reset_per_rank"]) for r in runs),
         "halo_ratio_max": halo_ratio,
         "halo_target": HALO_TARGET,
         "halo_target_met": halo_ratio <= HALO_TARGET,

@@ -11,8 +11,13 @@ Measurements (per rank, forward + backward of one call):
   ``torch.autograd.graph.saved_tensors_hooks`` during the forward (parameters and
   their synced copies included, the same rule for serial and CP);
 - ``peak_memory_bytes``: on CUDA, ``max_memory_allocated`` above the starting level;
-  on CPU, the peak of the running sum of allocator events recorded by the profiler;
-- ``comm_bytes``: ``max(bytes_sent, bytes_recv)`` of the forward's ledger; the
+  on CPU, the peak of the running sum of allocator events recorded by the profiler
+  (it raises rather than report 0 when the profiler cannot measure);
+- ``peak_rss_bytes``: the process's peak resident memory (VmHWM) over the same
+  forward + backward, reset at its start where the kernel permits
+  (``rss_reset_per_rank``); absolute, torch libraries and non-tensor memory included;
+- ``comm_bytes``: ``max(bytes_sent, bytes_recv)`` of the forward's ledger (modelled
+  bytes, see ``comm_bytes_model``); the
   backward's is reported separately. ``comm_lower_bound_bytes`` is
   ``2 B N^2 h / sqrt(P)`` elements for a triangle multiplication (h = channels of the
   contracted ``a``/``b``) and the analogous ``2 B S N h / sqrt(P)`` for the outer
@@ -31,9 +36,10 @@ from typing import Any
 import torch
 
 from twinshard.comm import CommLedger
+from twinshard.comm.ledger import BYTES_MODEL
 from twinshard.pair.layers.contraction import schedule_name
 from twinshard.runtime import get_world, make_grid, shared_pool
-from twinshard.tensors.memory import peak_memory_during
+from twinshard.tensors.memory import RssWindow, peak_memory_during
 
 __all__ = ["OPS", "add_parser", "bench_rank", "measure", "parse_grid", "run"]
 
@@ -87,8 +93,16 @@ def measure(
         backward(out)
 
     t0 = time.perf_counter()
-    _, peak = peak_memory_during(step, device)
-    return {"saved_bytes": sum(storages.values()), "peak_bytes": peak, "seconds": time.perf_counter() - t0}
+    with RssWindow() as rss:
+        _, peak = peak_memory_during(step, device)
+    return {
+        "saved_bytes": sum(storages.values()),
+        "peak_bytes": peak,
+        "rss_peak_bytes": rss.peak_bytes,
+        "rss_reset": rss.reset,
+        "rss_source": rss.source,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -214,6 +228,10 @@ def bench_rank(
         "seconds": cpm["seconds"],
         "serial_saved": ser["saved_bytes"],
         "serial_peak": ser["peak_bytes"],
+        "rss_peak": cpm["rss_peak_bytes"],
+        "rss_reset": cpm["rss_reset"],
+        "rss_source": cpm["rss_source"],
+        "serial_rss_peak": ser["rss_peak_bytes"],
         "serial_seconds": ser["seconds"],
         "comm_fwd": max(f["bytes_sent"], f["bytes_recv"]),
         "comm_fwd_sent": f["bytes_sent"],
@@ -256,6 +274,11 @@ def _summarise(
         "saved_ratio_vs_serial_over_p": max(saved) / (r0["serial_saved"] / P),
         "peak_memory_bytes_per_rank": [r["peak"] for r in ranks],
         "serial_peak_memory_bytes": r0["serial_peak"],
+        "peak_rss_bytes_per_rank": [r["rss_peak"] for r in ranks],
+        "rss_reset_per_rank": [r["rss_reset"] for r in ranks],
+        "rss_source": r0["rss_source"],
+        "serial_peak_rss_bytes": r0["serial_rss_peak"],
+        "comm_bytes_model": BYTES_MODEL,
         "comm_bytes_per_rank": comm,
         "comm_bytes_sent_per_rank": [r["comm_fwd_sent"] for r in ranks],
         "comm_bytes_recv_per_rank": [r["comm_fwd_recv"] for r in ranks],
