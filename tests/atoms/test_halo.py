@@ -3,13 +3,17 @@
 import pytest
 import torch
 import torch.distributed as dist
+from _planted import planted
 
 from twinshard.atoms import structures
 from twinshard.atoms.neighbors import neighbor_list
 from twinshard.atoms.sharded import ShardedSystem
+from twinshard.atoms.system import System
 from twinshard.comm import CommLedger
 from twinshard.tensors.rng import normal
 from twinshard.testing import assert_parity, run_on_world
+
+GAS = 1500  # atoms: dense enough that a halo 3% thin misses some edge (see the control)
 
 
 def _system(name):
@@ -21,6 +25,10 @@ def _system(name):
         return structures.fcc_argon(repeat=(8, 2, 2), rattle=0.3, seed=3)
     if name == "triclinic":
         return structures.triclinic_argon(repeat=(7, 6, 6), rattle=0.3, seed=4)
+    if name == "gas":  # uniform random positions in the triclinic cell: atoms at every distance
+        t = structures.triclinic_argon(repeat=(7, 6, 6))
+        frac = torch.rand(GAS, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        return System(positions=frac @ t.cell, numbers=torch.full((GAS,), 18), cell=t.cell, pbc=True)
     raise ValueError(name)
 
 
@@ -30,7 +38,12 @@ def _keyed(ids, width, stream, dtype=torch.float64):
     return normal(11, stream, ids[:, None].to(torch.int64), cols[None, :]).to(dtype)
 
 
-def _rank_adjoint(name, grid, cutoff=6.0, skin=0.5):
+def _rank_adjoint(name, grid, cutoff=6.0, skin=0.5, plant=None):
+    with planted(plant):
+        return _adjoint(name, grid, cutoff, skin)
+
+
+def _adjoint(name, grid, cutoff, skin):
     s = _system(name) if dist.get_rank() == 0 else None
     sh = ShardedSystem.scatter(s, cutoff=cutoff, skin=skin, grid=grid)
     plan = sh.plan
@@ -52,12 +65,20 @@ def _rank_adjoint(name, grid, cutoff=6.0, skin=0.5):
     dist.all_reduce(sums)
     return {
         "sums": sums,
-        "gx_vs_r": float((gx - rdy).abs().max()) if gx.numel() else 0.0,
-        "gdy_vs_f": float((gdy - fdx).abs().max()) if gdy.numel() else 0.0,
+        "gx": gx,
+        "rdy": rdy,
+        "gdy": gdy,
+        "fdx": fdx,
         "n_halo": plan.n_halo,
         "peers": plan.peers,
-        "rolled": float((torch.roll(rdy, 1, 0) * x).sum()),
     }
+
+
+def _check_adjoint(res, where):
+    lhs, rhs, lhs2, rhs2 = res[0]["sums"].unbind()
+    n = sum(4 * r["n_halo"] for r in res)  # the longest sum: every halo entry of every rank
+    assert_parity(rhs, lhs, what=f"<R dy, x> = <dy, F x> {where}", reduction=n, checks=["adjoint"])
+    assert_parity(rhs2, lhs2, what=f"<F dx, dy> = <dx, R dy> {where}", reduction=n, checks=["adjoint"])
 
 
 @pytest.mark.parametrize(
@@ -66,20 +87,26 @@ def _rank_adjoint(name, grid, cutoff=6.0, skin=0.5):
 )
 def test_forward_reverse_are_adjoint(name, nranks, grid):
     res = run_on_world(_rank_adjoint, nranks, name, grid)
-    lhs, rhs, lhs2, rhs2 = res[0]["sums"].unbind()
     assert all(r["n_halo"] > 0 for r in res)
-    assert_parity(lhs, rhs, what=f"<dy, F x> = <R dy, x> {name} P={nranks}", checks=["adjoint"])
-    assert_parity(lhs2, rhs2, what=f"<dx, R dy> = <F dx, dy> {name} P={nranks}", checks=["adjoint"])
-    for r in res:
-        assert r["gx_vs_r"] == 0.0 and r["gdy_vs_f"] == 0.0  # backward of one is the other
+    _check_adjoint(res, f"{name} P={nranks}")
+    for r, out in enumerate(res):  # the backward of one exchange is the other, on every rank
+        assert_parity(out["gx"], out["rdy"], what=f"autograd of F = R, {name} P={nranks} rank {r}")
+        assert_parity(out["gdy"], out["fdx"], what=f"autograd of R = F, {name} P={nranks} rank {r}")
 
 
-def test_adjoint_check_catches_a_misrouted_reverse():
-    # Negative control: the reverse with its rows shifted by one breaks the identity.
-    res = run_on_world(_rank_adjoint, 2, "fcc", (2, 1, 1))
-    rolled = torch.tensor(sum(r["rolled"] for r in res), dtype=torch.float64)
-    with pytest.raises(AssertionError):
-        assert_parity(rolled, res[0]["sums"][0], what="negative control: misrouted reverse")
+@pytest.mark.parametrize(
+    "plant,match",
+    [
+        # inside the exchange: each reverse message's rows shifted by one (wrong owner rows)
+        ("halo_reverse_misrouted", r"parity of <R dy, x> = <dy, F x> fcc P=2 .* fails"),
+        # the reverse sum accumulated in fp32 in an fp64 run: the round-off gate sees it
+        ("halo_reverse_fp32", r"parity of <R dy, x> = <dy, F x> fcc P=2 .* fails"),
+    ],
+)
+def test_adjoint_check_catches_planted_reverse_bugs(plant, match):
+    res = run_on_world(_rank_adjoint, 2, "fcc", (2, 1, 1), 6.0, 0.5, plant)
+    with pytest.raises(AssertionError, match=match):
+        _check_adjoint(res, "fcc P=2")
 
 
 def test_halo_peers_are_neighbours_only():
@@ -89,36 +116,104 @@ def test_halo_peers_are_neighbours_only():
         assert out["peers"] == sorted({r, (r - 1) % 4, (r + 1) % 4})
 
 
-def _rank_edges(name, grid, cutoff):
-    s = _system(name) if dist.get_rank() == 0 else None
-    sh = ShardedSystem.scatter(s, cutoff=cutoff, skin=0.5, grid=grid)
-    g = sh.block_graph()
-    r = g.edge_vectors().norm(dim=1)
-    inside = r < cutoff
-    ids = torch.cat([sh.ids, sh.plan.halo_ids])
-    rows = torch.stack([ids[g.receivers[inside]], ids[g.senders[inside]]], 1)
-    return rows, r[inside]
+def _rank_block_edges(name, grid, cutoff, skin, plant=None):
+    """(receiver id, sender id, lattice shift) of every edge of this rank's padded block."""
+    with planted(plant):
+        s = _system(name) if dist.get_rank() == 0 else None
+        sh = ShardedSystem.scatter(s, cutoff=cutoff, skin=skin, grid=grid)
+    e, plan = sh.edges, sh.plan
+    ids = torch.cat([sh.ids, plan.halo_ids.to(sh.ids.device)]).cpu()
+    # a block row sits at its atom's unwrapped position + shift @ cell: an edge i <- j spans the
+    # lattice translation shift_j - shift_i
+    shift = torch.cat([plan.owned_shift, plan.halo_shift]).cpu()
+    snd, rcv = e.senders.cpu(), e.receivers.cpu()
+    keys = torch.cat([ids[rcv][:, None], ids[snd][:, None], shift[snd] - shift[rcv]], 1)
+    return sh.ids.cpu(), keys
 
 
-@pytest.mark.parametrize("name,nranks,grid", [("tiny", 1, None), ("triclinic", 4, (2, 2, 1))])
-def test_block_edges_equal_serial_edges(name, nranks, grid):
-    """The padded blocks hold every serial edge of their owned atoms exactly once."""
-    cutoff = 6.0
+def _serial_edge_keys(name, width):
     s = _system(name)
-    e = neighbor_list(s.positions, cutoff, s.cell, s.pbc)
-    d = e.vectors(s.positions).norm(dim=1)
-    serial = sorted(
-        zip(s.ids[e.receivers].tolist(), s.ids[e.senders].tolist(), torch.round(d, decimals=9).tolist())
-    )
-    res = run_on_world(_rank_edges, nranks, name, grid, cutoff)
-    dist_edges = []
-    for rows, r in res:
-        dist_edges += list(zip(rows[:, 0].tolist(), rows[:, 1].tolist(), torch.round(r, decimals=9).tolist()))
-    assert len(dist_edges) == len(serial)
-    assert sorted(dist_edges) == serial
+    e = neighbor_list(s.positions, width, s.cell, s.pbc)
+    return torch.cat([s.ids[e.receivers][:, None], s.ids[e.senders][:, None], e.cell_shifts], 1)
+
+
+def _encode(keys):
+    """One int64 per (receiver id, sender id, shift) row (ids < 2**20, |shift| <= 8)."""
+    assert int(keys[:, :2].max()) < 2**20 and int(keys[:, 2:].abs().max()) <= 8
+    k = keys[:, 0] * 2**20 + keys[:, 1]
+    for a in range(2, 5):
+        k = k * 17 + keys[:, a] + 8
+    return k
+
+
+def assert_block_edges(per_rank, serial, where):
+    """On each rank the block's edges within cutoff + skin are exactly the serial edges of its
+    owned atoms, by (receiver id, sender id, periodic shift), each once."""
+    for r, (owned, keys) in enumerate(per_rank):
+        mine = serial[torch.isin(serial[:, 0], owned)]
+        got, want = _encode(keys), _encode(mine)
+        if torch.unique(got).numel() != got.numel():
+            raise AssertionError(
+                f"{where}: rank {r}'s block holds {got.numel() - torch.unique(got).numel()} edges twice"
+            )
+        missing = mine[~torch.isin(want, got)]
+        if missing.numel():
+            raise AssertionError(
+                f"{where}: rank {r}'s halo-padded block misses {missing.shape[0]} of the {mine.shape[0]} "
+                f"serial edges within cutoff + skin of its owned atoms, e.g. (receiver id, sender id, "
+                f"shift) {missing[:3].tolist()}: the halo is too thin"
+            )
+        extra = keys[~torch.isin(got, want)]
+        if extra.numel():
+            raise AssertionError(
+                f"{where}: rank {r}'s block has {extra.shape[0]} edges the serial list lacks: {extra[:3].tolist()}"
+            )
+    n = sum(k.shape[0] for _, k in per_rank)
+    assert n == serial.shape[0], f"{where}: {n} block edges in all, {serial.shape[0]} serial edges"
+
+
+@pytest.mark.parametrize(
+    "name,nranks,grid",
+    [
+        ("tiny", 1, None),  # a rank bordering itself: several images of one neighbour
+        ("triclinic", 2, (2, 1, 1)),
+        ("triclinic", 3, (3, 1, 1)),
+        ("triclinic", 4, (2, 2, 1)),
+        ("gas", 4, (2, 2, 1)),  # the control's system, intact
+    ],
+)
+def test_halo_holds_exactly_the_serial_edges(name, nranks, grid):
+    cutoff, skin = 6.0, 0.5
+    serial = _serial_edge_keys(name, cutoff + skin)
+    res = run_on_world(_rank_block_edges, nranks, name, grid, cutoff, skin)
+    assert_block_edges(res, serial, f"{name} P={nranks} grid={grid}")
     if name == "tiny":  # several images of one neighbour: repeated (i, j) pairs
-        pairs = [(a, b) for a, b, _ in serial]
+        pairs = [(a, b) for a, b, *_ in serial.tolist()]
         assert len(set(pairs)) < len(pairs)
+
+
+def test_halo_invariant_catches_a_thin_halo():
+    cutoff, skin = 6.0, 0.5
+    serial = _serial_edge_keys("gas", cutoff + skin)
+    res = run_on_world(_rank_block_edges, 4, "gas", (2, 2, 1), cutoff, skin, "thin_halo")
+    with pytest.raises(AssertionError, match=r"block misses \d+ of the \d+ serial edges .* halo is too thin"):
+        assert_block_edges(res, serial, "gas P=4, ghost shell 3% thin")
+
+
+def _rank_grad_mismatch():
+    s = _system("fcc") if dist.get_rank() == 0 else None
+    sh = ShardedSystem.scatter(s, cutoff=6.0, skin=0.5, grid=(3, 1, 1))
+    x = sh.positions.clone().requires_grad_(sh.rank != 1)  # rank 1 forgot requires_grad
+    try:
+        sh.plan.padded_positions(x, sh.cell)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_halo_autograd_path_is_one_replicated_decision():
+    for r, msg in enumerate(run_on_world(_rank_grad_mismatch, 3, timeout=30)):
+        assert "halo_forward: the input requires grad on ranks [0, 2] but not on ranks [1]" in msg, (r, msg)
 
 
 def _rank_dtypes():
@@ -178,7 +273,8 @@ def test_ledger_records_halo_bytes():
         back = summary["ops"]["halo_forward:backward"]  # the reverse exchange, mirrored bytes
         assert back["calls"] == 1
         assert back["bytes_sent"] == op["bytes_recv"] and back["bytes_recv"] == op["bytes_sent"]
-        assert set(summary["ops"]) == {"halo_forward", "halo_forward:backward"}
+        # plus the one vote on the autograd path (8 bytes per rank)
+        assert set(summary["ops"]) == {"halo_forward", "halo_forward:backward", "halo_forward:grad_agree"}
         assert self_rows > 0  # bordering itself along y and z: local copies, not on the wire
         # ghost shell of a 10.5 A cube slab grown by w = 6.5 A on every side, at fcc density
         side, w, rho = 42.08 / 4, 6.5, 4 / 5.26**3

@@ -20,9 +20,12 @@ Collectives per evaluation:
     forward:  one halo forward exchange of the positions, plus one per
               ``graph.refresh`` call of the model (a message-passing model
               refreshes its node features before each layer: a one-cutoff halo
-              refreshed per layer, not a layers x cutoff halo);
+              refreshed per layer, not a layers x cutoff halo); each exchange
+              first agrees on its autograd path (one all_gather of a vote);
     backward: the adjoint reverse exchange of each of those (halo partial
-              gradients summed onto their owners, in >= fp64 for fp64);
+              gradients summed onto their owners, in >= fp64 for fp64), and,
+              when parameter gradients are asked for, one all-reduce of the
+              flat parameter gradient per dtype (``comm.sync_params``);
     then one all_reduce of ``[energy, virial (9)]``; and once per neighbour-list
     build, a fail-together agreement on a communication-free probe of the block's
     inputs (so an input error the model finds on some ranks is raised on all).
@@ -43,10 +46,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from twinshard.atoms.potentials.base import Graph, strained
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.comm import primitives as prim
+from twinshard.comm.ops import sync_params
 from twinshard.runtime import agree_step
 
 __all__ = ["DistributedPotential", "DistributedResults"]
@@ -134,15 +139,19 @@ class DistributedPotential:
         through the halo: backpropagating any function of every rank's owned
         energies delivers the complete gradient on each owner (the halo
         exchange's backward is the reverse exchange, a collective: every rank
-        must run its backward). Differentiable in the parameters too, but only
-        this rank's share: call :meth:`reduce_parameter_grads` after backward.
+        must run its backward). Differentiable in the parameters too: they enter
+        through ``comm.sync_params`` (as in the pair twins), so the backward sums
+        every rank's share and ``param.grad`` comes back complete and replicated
+        (one all-reduce per parameter dtype, in backward; nothing to call after).
         ``strain`` (3x3) optionally deforms the block by ``I + sym(strain)``.
         """
         self._check(sharded)
         graph = sharded.block_graph(positions)
         if strain is not None:
             graph = strained(graph, strain)
-        per_atom = self.module(graph)
+        named = list(self.module.named_parameters())
+        synced = sync_params([p for _, p in named], sharded.group)
+        per_atom = functional_call(self.module, {n: p for (n, _), p in zip(named, synced)}, (graph,))
         if per_atom.shape != (graph.n_atoms,):
             raise ValueError(
                 f"a potential must return per-atom energies of shape [{graph.n_atoms}] "
@@ -185,11 +194,3 @@ class DistributedPotential:
         return DistributedResults(energy, per_atom, forces, virial, stress)
 
     __call__ = compute
-
-    def reduce_parameter_grads(self, sharded: ShardedSystem) -> None:
-        """Collective: sum every parameter's ``.grad`` over ranks (parameters are replicated;
-        each rank's backward produced only its block's share). One all_reduce per
-        parameter, in registration order; a missing grad counts as zeros."""
-        for p in self.module.parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            p.grad = prim.all_reduce(g, sharded.group, op="parameter_grads")

@@ -27,8 +27,11 @@ other, so double backward works too). Both talk only to neighbour ranks, via
 ``twinshard.comm`` point-to-point ``exchange`` (ledger ops ``halo_forward`` and
 ``halo_reverse``, and ``halo_forward:backward`` for the reverse exchange run by
 autograd); a rank's images of its own atoms are local copies.
-Collectives per call: one sparse exchange with the neighbour set, forward and
-backward alike. Memory: nothing saved for backward but the plan (indices).
+Collectives per call: one all_gather of a vote (``<op>:grad_agree``: does
+the exchange take the autograd path? one replicated decision, so no rank skips
+its half of the backward) for floating payloads, then one sparse exchange with
+the neighbour set, forward and backward alike. Memory: nothing saved for
+backward but the plan (indices).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard.comm import primitives as prim
+from twinshard.comm.ops import agree_requires_grad
 from twinshard.runtime.world import require_world
 
 __all__ = ["HaloPlan", "frame_coordinates", "rank_box", "neighbour_ranks", "select_ghosts"]
@@ -207,6 +211,7 @@ class HaloPlan:
     halo_ids: torch.Tensor
     halo_shift: torch.Tensor
     owned_shift: torch.Tensor
+    group: dist.ProcessGroup | None = None
 
     @property
     def n_halo(self) -> int:
@@ -293,6 +298,7 @@ class HaloPlan:
             halo_ids=rows[:, 0].contiguous(),
             halo_shift=rows[:, 1:].to(dev).contiguous(),
             owned_shift=owned_shift.to(dev),
+            group=group,
         )
 
     # ----------------------------------------------------------- exchanges
@@ -300,7 +306,7 @@ class HaloPlan:
         """Halo copies ``[n_halo, ...]`` of owned rows ``x [n_owned, ...]`` (differentiable)."""
         if x.shape[0] != self.n_owned:
             raise ValueError(f"halo forward: expected {self.n_owned} owned rows, got {x.shape[0]}")
-        if x.requires_grad and x.is_floating_point():
+        if self._differentiable(x, "halo_forward"):
             return _HaloForward.apply(x, self)
         return self._forward_raw(x)
 
@@ -308,9 +314,18 @@ class HaloPlan:
         """Owner sums ``[n_owned, ...]`` of halo partials ``y [n_halo, ...]`` (differentiable)."""
         if y.shape[0] != self.n_halo:
             raise ValueError(f"halo reverse: expected {self.n_halo} halo rows, got {y.shape[0]}")
-        if y.requires_grad and y.is_floating_point():
+        if self._differentiable(y, "halo_reverse"):
             return _HaloReverse.apply(y, self)
         return self._reverse_raw(y)
+
+    def _differentiable(self, x: torch.Tensor, what: str) -> bool:
+        """The replicated choice of the autograd path (a rank that differentiates posts the reverse
+        exchange in backward, so all its peers must too): one vote per rank, a mismatch raises on
+        every rank (``comm.agree_requires_grad``). Integer payloads (atomic numbers) never vote:
+        their dtype is the same on every rank."""
+        if not x.is_floating_point():
+            return False
+        return agree_requires_grad(x.requires_grad, what, self.group)[0]
 
     def refresh(self, h: torch.Tensor) -> torch.Tensor:
         """``[owned | halo]`` rows with the halo overwritten by the owners' current values."""

@@ -1,0 +1,126 @@
+"""Planted bugs for negative controls, applied inside a rank function (workers are separate
+processes: a monkeypatch in the test process does not reach them).
+
+A rank function takes ``plant=None`` and runs its body under ``with planted(plant):``; the
+patch is undone when the block exits, so the reused pool workers stay clean. Each entry is one
+realistic single-line bug; production modules have no switch for any of them.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+
+def _no_param_sync(mp: pytest.MonkeyPatch) -> None:
+    """Parameter gradients stay per-rank partial sums (the all-reduce is missing)."""
+    from twinshard.atoms import distributed
+
+    mp.setattr(distributed, "sync_params", lambda params, group=None: list(params))
+
+
+def _reverse_direction(op: str) -> bool:
+    return op.startswith("halo_reverse") or op == "halo_forward:backward"
+
+
+def _halo_reverse_misrouted(mp: pytest.MonkeyPatch) -> None:
+    """Inside the exchange: each reverse message's rows are shifted by one, so every halo partial
+    sum lands on the wrong owned atom of the right peer."""
+    from twinshard.atoms import halo
+
+    orig = halo._exchange
+
+    def exchange(sends: list, recvs: list, dtype: torch.dtype, op: str) -> list:
+        if _reverse_direction(op):
+            sends = [(p, torch.roll(t, 1, 0)) for p, t in sends]
+        return orig(sends, recvs, dtype, op)
+
+    mp.setattr(halo, "_exchange", exchange)
+
+
+def _halo_reverse_fp32(mp: pytest.MonkeyPatch) -> None:
+    """The reverse sum accumulates in float32 (a ``.float()`` in an fp64 path)."""
+    from twinshard.atoms import halo
+
+    prim = types.SimpleNamespace(**vars(halo.prim))
+    prim.reduce_dtype = lambda dtype: torch.float32 if dtype.is_floating_point else dtype
+    mp.setattr(halo, "prim", prim)
+
+
+def _thin_halo(mp: pytest.MonkeyPatch) -> None:
+    """The ghost shell is 3% thinner than cutoff + skin."""
+    from twinshard.atoms.halo import HaloPlan
+
+    orig = HaloPlan.build
+
+    def build(frac, ids, partition, ghost_width=None, group=None):  # noqa: ANN001, ANN202
+        w = partition.ghost_width if ghost_width is None else ghost_width
+        return orig(frac, ids, partition, 0.97 * w, group)
+
+    mp.setattr(HaloPlan, "build", staticmethod(build))
+
+
+def _migrate_drop(mp: pytest.MonkeyPatch) -> None:
+    """After a migration, rank 1 loses its last atom."""
+    from twinshard.atoms.sharded import ShardedSystem
+
+    orig = ShardedSystem._migrate
+
+    def migrate(self: ShardedSystem) -> None:
+        orig(self)
+        if self.rank == 1 and self.n_owned:
+            self._set_fields({k: v[:-1] for k, v in self._fields().items()})
+
+    mp.setattr(ShardedSystem, "_migrate", migrate)
+
+
+def _migrate_duplicate(mp: pytest.MonkeyPatch) -> None:
+    """Rank 0 keeps a copy of the first atom it sent away."""
+    from twinshard.atoms.sharded import ShardedSystem
+
+    orig = ShardedSystem._migrate
+
+    def migrate(self: ShardedSystem) -> None:
+        before = {k: v.clone() for k, v in self._fields().items()}
+        orig(self)
+        gone = torch.nonzero(~torch.isin(before["ids"], self.ids)).flatten()
+        if self.rank == 0 and gone.numel():
+            j = gone[:1]
+            self._set_fields({k: torch.cat([self._get(k), before[k][j]]) for k in before})
+
+    mp.setattr(ShardedSystem, "_migrate", migrate)
+
+
+def _langevin_row_keys(mp: pytest.MonkeyPatch) -> None:
+    """Langevin noise keyed by the local row instead of the global atom id."""
+    from twinshard.atoms import md
+
+    def keys(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.arange(ids.shape[0], dtype=torch.int64, device=ids.device)
+        return rows[:, None], torch.arange(3, dtype=torch.int64, device=ids.device)[None, :]
+
+    mp.setattr(md, "_keys", keys)
+
+
+PLANTS = {
+    "no_param_sync": _no_param_sync,
+    "halo_reverse_misrouted": _halo_reverse_misrouted,
+    "halo_reverse_fp32": _halo_reverse_fp32,
+    "thin_halo": _thin_halo,
+    "migrate_drop": _migrate_drop,
+    "migrate_duplicate": _migrate_duplicate,
+    "langevin_row_keys": _langevin_row_keys,
+}
+
+
+@contextmanager
+def planted(name: str | None) -> Iterator[None]:
+    """Apply the planted bug ``name`` (None: nothing) for the duration of the block."""
+    with pytest.MonkeyPatch.context() as mp:
+        if name is not None:
+            PLANTS[name](mp)
+        yield
