@@ -172,6 +172,7 @@ class ShardedSystem:
         with agree_step("scatter: read, validate and partition the system", group):
             if me == src:
                 system = _as_system(source, dtype)
+                _check_ids(system.ids)
                 part = _make_partition(system, partition, nranks, cutoff + skin, grid)
                 schema = [(k, getattr(system, k).dtype, tuple(getattr(system, k).shape[1:])) for k in _CORE]
                 schema += [
@@ -337,12 +338,17 @@ class ShardedSystem:
     # -------------------------------------------------------------- update
     def max_displacement(self) -> float:
         """Collective: the largest displacement of any atom since the last build (inf if NaN)."""
+        return self._agree_update(False)[0]
+
+    def _agree_update(self, force: bool) -> tuple[float, bool]:
+        """Collective (one all_gather): the largest displacement over all ranks, and whether any rank
+        asks for a rebuild; raises on every rank if any position is NaN/inf."""
         assert self._ref is not None
         d = (self.positions.detach() - self._ref).norm(dim=1)
         local = float(d.max()) if d.numel() else 0.0
         bad = int((~torch.isfinite(self.positions.detach()).all(1)).sum())
         stats = torch.tensor(
-            [[local if math.isfinite(local) else math.inf, float(bad)]],
+            [[local if math.isfinite(local) else math.inf, float(bad), float(bool(force))]],
             dtype=torch.float64,
             device=self.device,
         )
@@ -353,23 +359,24 @@ class ShardedSystem:
                 f"non-finite (NaN/inf) positions on ranks {where} (rank: atoms); the dynamics "
                 "diverged: use a smaller time step or check the potential and the start structure"
             )
-        return float(allstats[:, 0].max())
+        return float(allstats[:, 0].max()), bool((allstats[:, 2] > 0).any())
 
     def update(self, force: bool = False) -> bool:
         """Collective: after an integration step, migrate and rebuild if needed.
 
-        Rebuilds (migration + halo plan + neighbour list) when ``force`` or when
-        any atom on any rank moved more than ``skin / 2`` since the last build;
-        every rank takes the same decision from one all_gather. Returns whether
+        Rebuilds (migration + halo plan + neighbour list) when ``force`` on any
+        rank or when any atom on any rank moved more than ``skin / 2`` since the
+        last build; every rank takes the same decision from one all_gather. Returns whether
         it rebuilt. Raises ValueError on every rank if any position is NaN/inf.
 
-        Collectives: one all_gather of ``[max displacement, #non-finite]``; on a
+        Collectives: one all_gather of ``[max displacement, #non-finite, force]``; on a
         rebuild also (spatial partition, P > 1) one all_to_all of counts, one
         all_reduce of the number of migrating atoms and, if any moved, one
         all_to_all per field; then the halo plan (one all_gather of boxes, two
         neighbour exchanges) and one halo forward exchange of atomic numbers.
         """
-        if self.max_displacement() > 0.5 * self.skin or force:
+        disp, forced = self._agree_update(force)
+        if disp > 0.5 * self.skin or forced:
             self._migrate()
             self._build()
             return True
@@ -416,6 +423,23 @@ class ShardedSystem:
             f"halo={self.n_halo}, total={self.n_total}, grid={grid}, "
             f"migrations={self.migrations}, builds={self.builds})"
         )
+
+
+_MAX_ID = 2**32 - 1  # ids key the counter-based RNG (Langevin noise, velocities): 32-bit words
+
+
+def _check_ids(ids: torch.Tensor) -> None:
+    """Atom ids are unique integers in [0, 2**32) (checked where the system enters, on the source)."""
+    if not ids.numel():
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi > _MAX_ID:
+        raise ValueError(
+            f"atom ids must be in [0, 2**32) (they key the random streams), got ids from {lo} to {hi}: "
+            "renumber the atoms (ids = 0..N-1 are always valid)"
+        )
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError("atom ids must be unique: two atoms share an id")
 
 
 def _make_partition(
