@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _planted import planted
 
 from twinshard.atoms import structures
 from twinshard.atoms.distributed import DistributedPotential
@@ -103,7 +104,12 @@ def _displacement(ids, step, scale):
     return normal(21, step, ids[:, None].to(torch.int64), torch.arange(3)[None, :]) * scale
 
 
-def _rank_migrate(rounds, scale, drift):
+def _rank_migrate(rounds, scale, drift, plant=None):
+    with planted(plant):
+        return _migrate(rounds, scale, drift, gather=plant is None)
+
+
+def _migrate(rounds, scale, drift, gather=True):
     s = _system() if dist.get_rank() == 0 else None
     sh = ShardedSystem.scatter(s, cutoff=CUTOFF, skin=SKIN, hysteresis=0.3)
     pot = LennardJones(cutoff=CUTOFF)
@@ -124,12 +130,13 @@ def _rank_migrate(rounds, scale, drift):
                 "migrations": sh.migrations,
                 "energy": res.energy,
                 "ids": sh.ids.clone(),
+                "positions": sh.positions.clone(),
                 "forces": res.forces,
                 "owned_ok": bool((near == sh.rank).all()) if rebuilt else True,
                 "left": int((strict != sh.rank).sum()),
             }
         )
-    return log, sh.gather_all(), sh.builds
+    return log, (sh.gather_all() if gather else None), sh.builds  # a duplicated id fails to gather
 
 
 def test_migration_keeps_every_atom_and_stays_exact():
@@ -147,13 +154,14 @@ def test_migration_keeps_every_atom_and_stays_exact():
         assert all(lg["rebuilt"] for lg in logs)  # every round moves atoms by more than skin/2
         assert all(lg["owned_ok"] for lg in logs)  # owners hold atoms within the hysteresis
         assert_replicated([lg["migrations"] for lg in logs], "migration count")
-        ids = torch.cat([lg["ids"] for lg in logs])
-        assert torch.equal(torch.sort(ids).values, torch.sort(full.ids).values), "atom lost or duplicated"
+        _check_owners(logs, ref, f"after migration round {step}")
         assert_parity(logs[0]["energy"], serial.energy, what=f"LJ energy after migration round {step}")
+        for key, full_t in (("positions", ref.positions), ("forces", serial.forces)):
+            pieces = [(lg[key], rows_of(lg["ids"], ref.ids)) for lg in logs]
+            assert_shards_cover(pieces, full_t, f"owned {key} after migration round {step}", disjoint=True)
         forces = torch.zeros_like(serial.forces)
-        pos = {int(i): k for k, i in enumerate(ref.ids.tolist())}
         for lg in logs:
-            forces[[pos[int(i)] for i in lg["ids"].tolist()]] = lg["forces"]
+            forces[rows_of(lg["ids"], ref.ids)] = lg["forces"]
         assert_parity(forces, serial.forces, what=f"LJ forces after migration round {step}")
     assert res[0][0][-1]["migrations"] > 0
     # hysteresis at work: some atoms sit just outside their owner's slab
@@ -161,6 +169,27 @@ def test_migration_keeps_every_atom_and_stays_exact():
     for _, gathered, builds in res:
         _same_system(gathered, ref)  # positions unwrapped, exactly the serial ones
         assert builds == rounds + 1
+
+
+def _check_owners(logs, ref, where):
+    """Each global id is owned by exactly one rank (none lost, none duplicated)."""
+    pieces = [(lg["ids"], rows_of(lg["ids"], ref.ids)) for lg in logs]
+    assert_shards_cover(pieces, ref.ids, f"owned atom ids {where}", disjoint=True)
+
+
+@pytest.mark.parametrize(
+    "plant,match",
+    [
+        ("migrate_drop", r"owned atom ids after migration: .* 1 of 252 elements are held by no rank"),
+        ("migrate_duplicate", r"owned atom ids after migration: 1 elements are held by more than one rank"),
+    ],
+)
+def test_ownership_check_catches_a_lost_or_duplicated_atom(plant, match):
+    drift = torch.tensor([0.9, -0.7, 0.5], dtype=torch.float64)
+    res = run_on_world(_rank_migrate, 4, 1, 0.1, drift, plant)
+    assert res[0][0][0]["migrations"] > 0
+    with pytest.raises(AssertionError, match=match):
+        _check_owners([r[0][0] for r in res], _system(), "after migration")
 
 
 def _rank_small_moves():
