@@ -5,19 +5,27 @@ from __future__ import annotations
 import pytest
 import torch
 
+from twinshard.comm import primitives as P
 from twinshard.pair.features import (
     MSA_MASK,
     PAIR_MASK,
     TOKEN_MASK,
     PairLayout,
     collect,
+    collect_grad,
     collect_tensor,
     distribute,
+    layout_kind,
+    layout_of,
+    padding_keep,
+    real_part,
     shard_tensor,
+    with_layout,
 )
 from twinshard.runtime import RankFailure
 from twinshard.tensors.dtensor import MSA, PAIR, SAMPLE, SINGLE, local_block
-from twinshard.testing import grid_id, random_grad_output, run_on_grid
+from twinshard.testing import assert_parity, grid_id, random_grad_output, run_on_grid
+from twinshard.testing.checks import assert_shards_cover
 
 
 def _features(n: int, s: int, with_masks: bool) -> dict[str, torch.Tensor]:
@@ -159,3 +167,96 @@ def test_bad_input_fails_on_every_rank(case, shape, match):
     # Every rank raised in the agreed step (no rank was left stuck in a collective).
     assert info.value.step == "pair.features.distribute"
     assert not info.value.stuck
+
+
+# -- the layout travels with the tensors; gradients are never dropped ---------------------------
+
+
+def _rank_layout(grid, n, s):
+    f = _features(n, s, False)
+    d = distribute(f, grid, kinds={"my_pair": "pair"})
+    out = {"attached": {k: (layout_of(v) == d.layout, layout_kind(v)) for k, v in d.items()}}
+    z = d["z"]
+    out["plain_op_drops"] = layout_of(z + z) is None  # why with_layout exists
+    back = with_layout(z + 1.0, z)  # padding zeroed, layout back
+    keep = padding_keep(back, d.layout, "pair")
+    local = back.to_local()
+    out["pad_zero"] = keep is None or bool(
+        (local.masked_select(~keep[..., None].expand(local.shape)) == 0).all()
+    )
+    out["z_piece"] = real_part(d["z"])
+    out["m_piece"] = real_part(d["msa"])
+    try:
+        with_layout(d["s"], d.layout, "pair")
+        out["wrong_kind"] = None
+    except ValueError as e:
+        out["wrong_kind"] = str(e)
+    return out
+
+
+def test_layout_attached_to_every_distributed_tensor_and_real_part_covers():
+    shape, n, s = (2, 3), 13, 5
+    results = run_on_grid(_rank_layout, shape, n, s)
+    f = _features(n, s, False)
+    for res in results:
+        assert all(same for same, _ in res["attached"].values()), res["attached"]
+        assert res["attached"]["z"][1] == "pair" and res["attached"]["msa"][1] == "msa"
+        assert res["attached"][TOKEN_MASK][1] == "single"
+        assert res["plain_op_drops"] and res["pad_zero"]
+        assert res["wrong_kind"] is not None and "placements" in res["wrong_kind"]
+    assert_shards_cover([r["z_piece"] for r in results], f["z"], "z")
+    msa_pieces = [(local.double(), index) for local, index in (r["m_piece"] for r in results)]
+    assert_shards_cover(msa_pieces, f["msa"].double(), "msa")  # token ids: compared as floats
+
+
+def _rank_src_grad(grid):
+    f = _features(5, 2, False)
+    f["z"].requires_grad_(True)
+    distribute(f if grid.rank == 0 else None, grid, src=0)
+
+
+def test_distribute_from_src_raises_on_every_rank_when_inputs_require_grad():
+    with pytest.raises(RankFailure, match=r"distribute\(src=0\) scatters data without autograd") as info:
+        run_on_grid(_rank_src_grad, (2, 2))
+    assert info.value.step == "pair.features.distribute" and not info.value.stuck
+
+
+def _rank_partial_grads(grid, n, collector):
+    """Each rank's gradient of its own copy covers its own tile; the collector sums them."""
+    g = torch.Generator().manual_seed(5)
+    f = {
+        k: torch.randn(2, *sh, generator=g, dtype=torch.float64).requires_grad_(True)
+        for k, sh in (("z", (n, n, 3)), ("s", (n, 4)), ("m", (3, n, 2)))
+    }
+    d = distribute(f, grid)
+    outs = [collect_tensor(d[k]) ** 2 for k in ("z", "s", "m")]  # non-linear: grad = 2 x dy
+    torch.autograd.backward(outs, [random_grad_output(o, seed=i) for i, o in enumerate(outs)])
+    kinds = {"z": "pair", "s": "single", "m": "msa"}
+    if collector == "world_sum":  # planted: sum over every rank, also along replicated axes
+        return {k: P.all_reduce(f[k].grad) for k in f}
+    return {k: collect_grad(f[k].grad, kinds[k], grid) for k in f}
+
+
+def _check_partial_grads(shape, n, results):
+    g = torch.Generator().manual_seed(5)
+    f = {
+        k: torch.randn(2, *sh, generator=g, dtype=torch.float64)
+        for k, sh in (("z", (n, n, 3)), ("s", (n, 4)), ("m", (3, n, 2)))
+    }
+    for i, k in enumerate(("z", "s", "m")):
+        want = 2 * f[k] * random_grad_output(f[k], seed=i)
+        for r, res in enumerate(results):
+            assert_parity(res[k], want, what=f"collect_grad of {k} (rank {r})", grid=grid_id(shape))
+
+
+@pytest.mark.parametrize("shape,n", [((2, 3), 13), ((3, 3), 7)], ids=["2x3", "3x3"])
+def test_collect_grad_sums_per_tile_partial_gradients(shape, n):
+    _check_partial_grads(shape, n, run_on_grid(_rank_partial_grads, shape, n, "collect_grad"))
+
+
+def test_negative_control_gradient_summed_over_replicated_axis():
+    """Summing the single representation's gradient over the whole grid counts it once per grid
+    column (3 x on 2x3): caught."""
+    results = run_on_grid(_rank_partial_grads, (2, 3), 13, "world_sum")
+    with pytest.raises(AssertionError, match=r"parity of collect_grad of s \(rank 0\) on grid 2x3 fails"):
+        _check_partial_grads((2, 3), 13, results)
