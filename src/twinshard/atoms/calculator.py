@@ -65,7 +65,7 @@ def evaluate_distributed(
     rows = prim.all_gather(rows, 0, group, counts, op="calculator")
     order = torch.argsort(ids)
     rows = rows[order]
-    return Results(res.energy, rows[:, 0], rows[:, 1:], res.stress)
+    return Results(res.energy, rows[:, 0], rows[:, 1:], res.stress, res.virial)
 
 
 class TwinshardCalculator(Calculator):

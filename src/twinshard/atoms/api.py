@@ -1,0 +1,300 @@
+"""One call for distributed MD with a potential you built: :func:`run_md`.
+
+::
+
+    import ase.build
+    from twinshard.atoms import LennardJones, run_md
+
+    if __name__ == "__main__":          # local ranks are spawned processes
+        atoms = ase.build.bulk("Ar", "fcc", a=5.26, cubic=True).repeat(6)
+        out = run_md(atoms, LennardJones(cutoff=8.5), ranks=4, steps=200,
+                     thermostat="langevin", temperature=60.0, trajectory="traj.extxyz")
+        print(out.thermo.rows[-1], out.system.n_atoms, out.stress)
+
+Where it runs:
+
+- from a plain Python session or script: ``ranks`` local processes (the shared
+  worker pool of :mod:`twinshard.runtime`, kept for the next call). The
+  potential and the system travel pickled to every rank, so a potential class
+  must be importable by the workers (defined in a module, not in ``__main__``
+  of a script or a notebook cell), and a script needs the ``if __name__ ==
+  "__main__":`` guard (the ranks are spawned);
+- under ``torchrun`` (or inside any initialised twinshard world): on the
+  launched world; every rank calls ``run_md`` with the same arguments and rank
+  0's system is used (``ranks`` is ignored).
+
+Distributed like ``twinshard md``: the system is scattered by
+:class:`~twinshard.atoms.sharded.ShardedSystem` (spatial domains, halos,
+migration), forces come from
+:class:`~twinshard.atoms.distributed.DistributedPotential`, and the integrators
+of :mod:`twinshard.atoms.md` step each rank's owned atoms; the trajectory equals
+the serial one to round-off for any rank count (Langevin noise keyed by atom
+id and step). Memory per rank: the owned atoms and their halo during the run;
+the final system is gathered on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from twinshard.atoms.md import (
+    Langevin,
+    ThermoLog,
+    VelocityVerlet,
+    check_restart,
+    load_checkpoint,
+    maxwell_boltzmann,
+    simulate,
+)
+from twinshard.atoms.system import System
+
+__all__ = ["MDResult", "run_md"]
+
+
+@dataclass
+class MDResult:
+    """What :func:`run_md` returns.
+
+    ``system``: the final System (ordered by id; ``None`` on ranks other than 0
+    under torchrun); ``thermo``: the thermo log (every rank); ``energy``,
+    ``forces [n, 3]`` (rows of ``system``), ``stress`` and ``virial`` ``[3, 3]`` of
+    the final configuration (sign convention of
+    :mod:`twinshard.atoms.potentials.base`; ``stress`` is ``None`` without a cell
+    volume); ``migrations`` and ``ranks`` of the run.
+    """
+
+    system: System | None
+    thermo: ThermoLog
+    energy: float
+    forces: torch.Tensor | None
+    stress: torch.Tensor | None
+    virial: torch.Tensor | None
+    ranks: int
+    migrations: int
+    steps: int
+    start_step: int = 0
+    seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def atoms(self) -> Any:
+        """The final system as an ``ase.Atoms`` (rank 0), with forces/stress attached."""
+        if self.system is None:
+            return None
+        from ase.calculators.singlepoint import SinglePointCalculator
+
+        atoms = self.system.to_ase()
+        props: dict[str, Any] = {"energy": self.energy}
+        if self.forces is not None:
+            props["forces"] = self.forces.detach().cpu().double().numpy()
+        if self.stress is not None:
+            s = self.stress.detach().cpu().double()
+            props["stress"] = [
+                float(s[0, 0]),
+                float(s[1, 1]),
+                float(s[2, 2]),
+                float(s[1, 2]),
+                float(s[0, 2]),
+                float(s[0, 1]),
+            ]
+        atoms.calc = SinglePointCalculator(atoms, **props)
+        return atoms
+
+
+def _integrator(
+    thermostat: str | VelocityVerlet, dt: float, temperature: float, friction: float, seed: int
+) -> VelocityVerlet:
+    if isinstance(thermostat, VelocityVerlet):
+        return thermostat
+    if thermostat in ("none", "nve"):
+        return VelocityVerlet(dt)
+    if thermostat == "langevin":
+        return Langevin(dt, temperature, friction, seed=seed)
+    raise ValueError(
+        f"thermostat must be 'none', 'langevin' or an integrator (VelocityVerlet, Langevin), got {thermostat!r}"
+    )
+
+
+def run_md(
+    system: System | Any | None,
+    potential: nn.Module,
+    *,
+    ranks: int = 4,
+    steps: int = 100,
+    thermostat: str | VelocityVerlet = "none",
+    dt: float = 2.0,
+    temperature: float = 300.0,
+    friction: float = 0.01,
+    seed: int = 0,
+    initial_temperature: float | None = None,
+    skin: float = 1.0,
+    partition: str = "spatial",
+    trajectory: str | os.PathLike | None = None,
+    trajectory_every: int = 10,
+    thermo: str | os.PathLike | None = None,
+    thermo_every: int = 10,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 0,
+    restart: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float64,
+    progress: bool = False,
+    timeout: float = 3600.0,
+) -> MDResult:
+    """Run distributed MD of ``system`` with ``potential`` and return the final state.
+
+    Args:
+        system: a :class:`System` or an ``ase.Atoms`` (``None`` with ``restart``).
+        potential: any module following the potential contract
+            (:mod:`twinshard.atoms.potentials.base`): ``LennardJones(...)``,
+            ``MessagePassingPotential(...)``, your own.
+        ranks: local ranks to spawn (ignored inside a world, e.g. under torchrun).
+        steps: the step the run ends at (a restarted run continues up to it).
+        thermostat: ``"none"`` (NVE velocity Verlet), ``"langevin"`` (BAOAB at
+            ``temperature`` K with ``friction`` 1/fs and noise ``seed``), or an
+            integrator object (``VelocityVerlet(dt)``, ``Langevin(...)``).
+        dt: time step in fs.
+        initial_temperature: if given, velocities are drawn from Maxwell-Boltzmann
+            at this temperature (keyed by atom id and ``seed``); otherwise the
+            system's velocities (ASE momenta) are kept.
+        skin: Verlet skin (A); ``partition``: ``"spatial"`` or ``"block"``.
+        trajectory, trajectory_every: extxyz frames gathered on rank 0.
+        thermo, thermo_every: the thermo log file (written by rank 0).
+        checkpoint, checkpoint_every, restart: restart files (see :mod:`twinshard.atoms.md`).
+        dtype: float dtype of the run (fp64 default).
+        timeout: seconds the whole run may take with local ranks.
+
+    Returns:
+        :class:`MDResult`.
+    """
+    from twinshard.runtime import get_world, in_torchrun, init_world, shared_pool
+
+    if system is None and restart is None:
+        raise ValueError("give a system (System or ase.Atoms), or restart=checkpoint file")
+    if not hasattr(potential, "cutoff"):
+        raise TypeError("potential must have a float `cutoff` and forward(graph) -> per-atom energies")
+    if system is not None and not isinstance(system, System):
+        system = System.from_ase(system, dtype=dtype)
+    elif system is not None:
+        system = system.to(dtype=dtype)
+    integ = _integrator(thermostat, dt, temperature, friction, seed)
+    opts = {
+        "steps": int(steps),
+        "initial_temperature": initial_temperature,
+        "seed": int(seed),
+        "skin": float(skin),
+        "partition": partition,
+        "trajectory": None if trajectory is None else os.fspath(trajectory),
+        "trajectory_every": max(1, int(trajectory_every)),
+        "thermo": None if thermo is None else os.fspath(thermo),
+        "thermo_every": max(1, int(thermo_every)),
+        "checkpoint": None if checkpoint is None else os.fspath(checkpoint),
+        "checkpoint_every": int(checkpoint_every),
+        "restart": None if restart is None else os.fspath(restart),
+        "progress": bool(progress),
+    }
+    world = get_world()
+    if world is None and in_torchrun():
+        world = init_world()
+    if world is not None:
+        return _md_rank(system, potential, integ, opts)
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    from twinshard.atoms.driver import COLLECTIVE_TIMEOUT
+
+    outs = shared_pool().run(
+        _md_rank,
+        int(ranks),
+        system,
+        potential,
+        integ,
+        opts,
+        timeout=min(float(timeout), COLLECTIVE_TIMEOUT),
+        deadline=float(timeout),
+    )
+    return outs[0]
+
+
+def _md_rank(
+    system: System | None, potential: nn.Module, integ: VelocityVerlet, opts: dict[str, Any]
+) -> MDResult:
+    """Every rank: scatter rank 0's system, run, gather the final state on rank 0.
+
+    Collectives: those of ``ShardedSystem.scatter``, of :func:`simulate` (see
+    ``twinshard.atoms.driver``), one final ``DistributedPotential.compute`` with
+    stress, two all_gathers (ids, forces) and the final gather.
+    """
+    from twinshard.atoms.distributed import DistributedPotential
+    from twinshard.atoms.driver import DistributedEngine
+    from twinshard.atoms.sharded import ShardedSystem
+    from twinshard.comm import primitives as prim
+    from twinshard.runtime import agree_step, require_world
+
+    world = require_world("twinshard.atoms.run_md")
+    rank = world.rank
+    resume = torch.zeros(2, dtype=torch.float64)
+    mine: System | None = None
+    with agree_step("run_md: check the inputs"):
+        if opts["steps"] < 0:
+            raise ValueError(f"steps must be >= 0, got {opts['steps']}")
+        if rank == 0:
+            if opts["restart"]:
+                state = load_checkpoint(opts["restart"])
+                check_restart(state, integ, repr(opts["restart"]))
+                if state["step"] > opts["steps"]:
+                    raise ValueError(
+                        f"checkpoint {opts['restart']!r} is at step {state['step']} but steps is "
+                        f"{opts['steps']}: steps counts the whole run"
+                    )
+                mine = state["system"].to(dtype=system.dtype if system is not None else torch.float64)
+                resume[0], resume[1] = float(state["step"]), float(state["heat"])
+            else:
+                assert system is not None
+                mine = system.clone()
+                if opts["initial_temperature"] is not None:
+                    mine.velocities = maxwell_boltzmann(
+                        mine.masses, mine.ids, float(opts["initial_temperature"]), seed=opts["seed"]
+                    )
+    resume = prim.broadcast(resume, 0, None, op="md_setup")
+    start_step, heat0 = int(resume[0]), float(resume[1])
+    sharded = ShardedSystem.scatter(
+        mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"], partition=opts["partition"]
+    )
+    dp = DistributedPotential(potential)
+    engine = DistributedEngine(sharded, dp)
+    out = simulate(
+        engine,
+        integ,
+        opts["steps"],
+        thermo_every=opts["thermo_every"],
+        thermo_path=opts["thermo"],
+        trajectory=opts["trajectory"],
+        trajectory_every=opts["trajectory_every"],
+        progress=opts["progress"] and rank == 0,
+        start_step=start_step,
+        heat=heat0,
+        checkpoint=opts["checkpoint"],
+        checkpoint_every=opts["checkpoint_every"],
+    )
+    fin = dp.compute(sharded, compute_stress=True)
+    counts = sharded.counts()
+    ids = prim.all_gather(sharded.ids.contiguous(), 0, None, counts, op="run_md")
+    forces = prim.all_gather(fin.forces.contiguous(), 0, None, counts, op="run_md")
+    final = sharded.gather(0)
+    return MDResult(
+        system=final,
+        thermo=out["thermo"],
+        energy=float(fin.energy),
+        forces=forces[torch.argsort(ids)] if rank == 0 else None,
+        stress=fin.stress,
+        virial=fin.virial,
+        ranks=world.size,
+        migrations=int(sharded.migrations),
+        steps=opts["steps"],
+        start_step=start_step,
+        seconds=out["seconds"],
+    )

@@ -1,0 +1,135 @@
+"""The Python API: public names of twinshard.atoms, run_md from a plain session (local ranks) equal
+to the serial run, one stress/virial convention everywhere, and the ASE calculator inside ASE's own
+dynamics (VelocityVerlet, BFGS) against ASE's own Lennard-Jones calculator."""
+
+import numpy as np
+import pytest
+import torch
+from ase import units
+from ase.calculators.lj import LennardJones as AseLJ
+from ase.md.verlet import VelocityVerlet as AseVerlet
+from ase.optimize import BFGS
+
+import twinshard.atoms as ta
+from twinshard.atoms.structures import random_packing
+from twinshard.testing import assert_parity
+
+
+def test_public_names_are_exported():
+    assert ta.__all__ and len(set(ta.__all__)) == len(ta.__all__)
+    from twinshard.atoms import api, calculator, distributed, md, potentials, sharded, system
+
+    for name in ta.__all__:
+        assert getattr(ta, name) is not None, name
+    assert (
+        ta.run_md is api.run_md and ta.System is system.System and ta.ShardedSystem is sharded.ShardedSystem
+    )
+    assert ta.LennardJones is potentials.LennardJones and ta.Langevin is md.Langevin
+    assert ta.TwinshardCalculator is calculator.TwinshardCalculator
+    assert ta.DistributedPotential is distributed.DistributedPotential
+
+
+def _serial(system, potential, integ, steps, skin=1.0):
+    engine = ta.SerialEngine(potential, system, skin=skin)
+    out = ta.simulate(engine, integ, steps, thermo_every=10)
+    return engine.system, out["thermo"], ta.evaluate(potential, engine.system)
+
+
+@pytest.mark.parametrize("kind", ["lj-langevin-system", "mpnn-nve-atoms"])
+def test_run_md_on_local_ranks_equals_serial(kind):
+    system = random_packing(120, seed=2)
+    if kind == "lj-langevin-system":
+        pot = ta.LennardJones(cutoff=5.0)
+        out = ta.run_md(
+            system, pot, ranks=4, steps=30, thermostat="langevin", temperature=400.0, friction=0.05,
+            seed=3, dt=4.0, initial_temperature=400.0, skin=0.6, thermo_every=10,
+        )  # fmt: skip
+        integ = ta.Langevin(4.0, 400.0, 0.05, seed=3)
+        grid = "4"
+    else:
+        pot = ta.MessagePassingPotential(cutoff=4.5, energy_scale=0.01)
+        atoms = system.to_ase(with_ids=False)
+        out = ta.run_md(atoms, pot, ranks=2, steps=20, dt=2.0, initial_temperature=200.0, seed=3, skin=0.6)
+        integ = ta.VelocityVerlet(2.0)
+        grid = "2"
+    start = system.clone()
+    start.velocities = ta.maxwell_boltzmann(start.masses, start.ids, 400.0 if grid == "4" else 200.0, seed=3)
+    ref_sys, ref_log, ref = _serial(start, pot, integ, out.steps, skin=0.6)
+    assert out.ranks == int(grid) and out.system.n_atoms == 120 and torch.equal(out.system.ids, ref_sys.ids)
+    for name in ("positions", "velocities"):
+        assert_parity(
+            getattr(out.system, name), getattr(ref_sys, name), what=f"run_md {kind} {name}", grid=grid
+        )
+    assert_parity(out.forces, ref.forces, what=f"run_md {kind} final forces", grid=grid)
+    assert_parity(out.stress, ref.stress, what=f"run_md {kind} final stress", grid=grid)
+    assert_parity(out.virial, ref.virial, what=f"run_md {kind} final virial", grid=grid)
+    pot_col = torch.tensor(out.thermo.column("potential"), dtype=torch.float64)
+    assert_parity(
+        pot_col,
+        torch.tensor(ref_log.column("potential"), dtype=torch.float64),
+        what=f"run_md {kind} E_pot",
+        grid=grid,
+    )
+    atoms = out.atoms  # ase view of the result, with forces and stress attached
+    assert np.array_equal(atoms.get_forces(), out.forces.numpy())
+    assert np.array_equal(atoms.positions, out.system.positions.numpy())
+
+
+def test_stress_and_virial_share_one_convention():
+    """virial = -dE/deps = -V stress; the virial equals sum over pairs r_ij (x) f_ij (its textbook
+    definition), which fixes the sign independently of the strain derivative."""
+    s = random_packing(60, seed=5)
+    lj = ta.LennardJones(cutoff=5.0)
+    res = ta.evaluate(lj, s)
+    assert_parity(res.virial, -s.volume * res.stress, what="virial = -V stress (serial)")
+    # pair sum: r_ij (x) f_ij with f_ij the force on i from j, r_ij = x_j - x_i (minimum image here)
+    from twinshard.atoms.neighbors import neighbor_list
+
+    e = neighbor_list(s.positions, lj.cutoff, s.cell, s.pbc)
+    r = s.positions[e.senders] + e.shifts - s.positions[e.receivers]
+    d = r.norm(dim=1)
+    sig, eps = lj.sigma[0].detach(), lj.epsilon[0].detach()
+    du = 4 * eps * (-12 * sig**12 / d**13 + 6 * sig**6 / d**7)  # dphi/dr
+    f_on_i = (du / d)[:, None] * r  # = -dphi/dx_i
+    w = -0.5 * (r[:, :, None] * f_on_i[:, None, :]).sum(0)  # each pair twice (both directions)
+    assert_parity(res.virial, w, what="virial = -sum_pairs r_ij (x) f_ij", reduction=e.senders.numel())
+    # an open box: a virial, no stress
+    o = ta.System(positions=s.positions[:8], numbers=s.numbers[:8])
+    ro = ta.evaluate(lj, o)
+    assert ro.stress is None and ro.virial is not None and ro.virial.shape == (3, 3)
+    # the distributed evaluator: both, replicated, equal to serial
+    out = ta.run_md(s, lj, ranks=2, steps=0, skin=0.0)
+    assert_parity(out.stress, res.stress, what="distributed stress", grid="2")
+    assert_parity(out.virial, res.virial, what="distributed virial", grid="2")
+
+
+def _argon_cluster(n=4):
+    import ase.build
+
+    atoms = ase.build.bulk("Ar", "fcc", a=5.3, cubic=True).repeat((n, n, n))
+    rng = np.random.default_rng(0)
+    atoms.positions += rng.normal(scale=0.1, size=atoms.positions.shape)
+    return atoms
+
+
+def test_calculator_inside_ase_dynamics_matches_ase_lj():
+    eps, sig, rc = 0.0104, 3.405, 8.0
+    ours = _argon_cluster(3)
+    ref = ours.copy()
+    ours.calc = ta.TwinshardCalculator(ta.LennardJones({18: (eps, sig)}, cutoff=rc))
+    ref.calc = AseLJ(epsilon=eps, sigma=sig, rc=rc, smooth=False)
+    for a in (ours, ref):
+        a.set_momenta(np.zeros_like(a.positions))
+        AseVerlet(a, timestep=5 * units.fs).run(10)
+    assert_parity(
+        torch.tensor(ours.positions), torch.tensor(ref.positions), what="ASE VelocityVerlet, 10 steps"
+    )
+    assert_parity(
+        torch.tensor(ours.get_forces()), torch.tensor(ref.get_forces()), what="ASE VelocityVerlet forces"
+    )
+    assert_parity(torch.tensor(ours.get_stress()), torch.tensor(ref.get_stress()), what="ASE stress (Voigt)")
+    for a in (ours, ref):
+        BFGS(a, logfile=None).run(fmax=1e-3, steps=8)
+    assert_parity(torch.tensor(ours.positions), torch.tensor(ref.positions), what="ASE BFGS, 8 steps")
+    e = [torch.tensor(a.get_potential_energy(), dtype=torch.float64) for a in (ours, ref)]
+    assert_parity(e[0], e[1], what="ASE BFGS energy")
