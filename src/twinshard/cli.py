@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     from twinshard.bench import pair as bench_pair
 
     add_md_parser(sub)
+    from twinshard.selftest import add_parser as add_selftest_parser
+
+    add_selftest_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (JSON on the last stdout line)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bench_atoms.add_parser(bsub)
@@ -102,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        result = args.func(args)
+        if isinstance(result, dict) and result.get("selftest") == "failed":
+            return 1  # a parity check failed: the table / JSON above names it
     except (ValueError, FileNotFoundError) as exc:
         print(f"twinshard: error: {exc}", file=sys.stderr)
         return 2
