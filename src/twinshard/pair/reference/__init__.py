@@ -4,28 +4,52 @@ These are the oracles: every CP twin in ``twinshard.pair.layers`` registers the
 same parameters in the same order and must match them to fp64 round-off.
 """
 
-from twinshard.pair.reference.dropout import Dropout, assign_dropout_streams, dropout_mask, stream_id
+from twinshard.pair.reference.attention import AttentionPairBias
+from twinshard.pair.reference.distogram import DistogramHead, distogram_loss, distogram_target
+from twinshard.pair.reference.dropout import (
+    CONVENTIONS,
+    Dropout,
+    assign_dropout_streams,
+    dropout_mask,
+    stream_id,
+)
 from twinshard.pair.reference.linear import Linear, init_linear
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 from twinshard.pair.reference.outer_product import OuterProductMean
+from twinshard.pair.reference.pairformer import PairformerLayer, PairformerStack
 from twinshard.pair.reference.transition import Transition
 from twinshard.pair.reference.triangle import (
     TriangleMultiplication,
     TriangleMultiplicationIncoming,
     TriangleMultiplicationOutgoing,
 )
+from twinshard.pair.reference.triangle_attention import (
+    TriangleAttention,
+    TriangleAttentionEndingNode,
+    TriangleAttentionStartingNode,
+)
 
 __all__ = [
+    "CONVENTIONS",
+    "AttentionPairBias",
+    "DistogramHead",
     "Dropout",
     "LayerNorm",
     "Linear",
     "OuterProductMean",
+    "PairformerLayer",
+    "PairformerStack",
     "Transition",
+    "TriangleAttention",
+    "TriangleAttentionEndingNode",
+    "TriangleAttentionStartingNode",
     "TriangleMultiplication",
     "TriangleMultiplicationIncoming",
     "TriangleMultiplicationOutgoing",
     "assign_dropout_streams",
     "compute_dtype",
+    "distogram_loss",
+    "distogram_target",
     "dropout_mask",
     "init_linear",
     "stream_id",

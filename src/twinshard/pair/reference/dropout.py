@@ -1,6 +1,7 @@
-"""Row-wise and column-wise dropout with counter-based masks (AF2/AF3 convention).
+"""Row-wise and column-wise dropout with counter-based masks, in two conventions.
 
-For a tensor ``x[..., R, C, c]`` (pair ``z[B, N, N, c]`` or MSA ``m[B, S, N, c]``):
+For a tensor ``x[..., R, C, c]`` (pair ``z[B, N, N, c]`` or MSA ``m[B, S, N, c]``), the
+``"af3"`` convention (AF2/AF3 supplement, OpenFold):
 
 - row-wise dropout shares one mask across all rows: ``mask[..., 1, C, c]`` keyed
   by (batch, column j, channel) -- AF3 ``DropoutRowwise`` after triangle
@@ -9,8 +10,13 @@ For a tensor ``x[..., R, C, c]`` (pair ``z[B, N, N, c]`` or MSA ``m[B, S, N, c]`
   by (batch, row i, channel) -- AF3 ``DropoutColumnwise`` after triangle
   attention (ending node).
 
-Masks vary per channel, as AF2/AF3 and OpenFold (Boltz-2 instead shares the mask
-across channels and draws it from torch's stateful generator). Draws come from
+The ``"boltz"`` convention (Boltz-2's ``get_dropout_mask``) drops whole rows or columns
+instead, one draw shared over the other spatial axis and all channels:
+
+- row-wise: ``mask[..., R, 1, 1]`` keyed by (batch, row i) (Boltz's ``z[:, :, 0:1, 0:1]``);
+- column-wise: ``mask[..., 1, C, 1]`` keyed by (batch, column j) (``z[:, 0:1, :, 0:1]``).
+
+Boltz-2 draws its masks from torch's stateful generator; here both conventions draw from
 ``twinshard.tensors.rng`` keyed by GLOBAL (batch, position, channel), so a rank
 that holds rows/columns starting at an offset draws exactly the serial mask for
 its block, for any grid. ``seed`` changes per training step and ``stream``
@@ -35,7 +41,13 @@ from torch import nn
 
 from twinshard.tensors.rng import uniform
 
-__all__ = ["Dropout", "assign_dropout_streams", "dropout_mask", "stream_id"]
+__all__ = ["CONVENTIONS", "Dropout", "assign_dropout_streams", "dropout_mask", "stream_id"]
+
+CONVENTIONS = ("af3", "boltz")
+
+# The "boltz" masks have no channel axis; they are keyed with this channel index, which no
+# tensor reaches, so the two conventions never share a draw.
+_BOLTZ_CHANNEL_KEY = 2**32 - 1
 
 
 def stream_id(name: str) -> int:
@@ -55,14 +67,18 @@ def dropout_mask(
     col_offset: int = 0,
     dtype: torch.dtype = torch.float64,
     device: torch.device | None = None,
+    convention: str = "af3",
 ) -> torch.Tensor:
     """Scaled keep-mask for ``x`` of ``shape = (..., R, C, c)``.
 
-    Returns ``[..., 1, C, c]`` (row-wise) or ``[..., R, 1, c]`` (column-wise) holding
-    0 or 1 / (1 - p). ``row_offset`` / ``col_offset`` are the global indices of the
-    block's first row / column (0 for a serial tensor). Leading dims are unsharded:
-    their flat index is the batch key.
+    Returns, holding 0 or 1 / (1 - p): ``[..., 1, C, c]`` (row-wise) or ``[..., R, 1, c]``
+    (column-wise) in the ``"af3"`` convention; ``[..., R, 1, 1]`` (row-wise) or
+    ``[..., 1, C, 1]`` (column-wise) in the ``"boltz"`` one. ``row_offset`` /
+    ``col_offset`` are the global indices of the block's first row / column (0 for a
+    serial tensor). Leading dims are unsharded: their flat index is the batch key.
     """
+    if convention not in CONVENTIONS:
+        raise ValueError(f"dropout convention must be one of {CONVENTIONS}, got {convention!r}")
     shape = tuple(int(s) for s in shape)
     if len(shape) < 3:
         raise ValueError(f"dropout needs x[..., R, C, c], got shape {shape}")
@@ -72,12 +88,17 @@ def dropout_mask(
     nb = math.prod(lead)
     b = torch.arange(nb, dtype=torch.int64, device=device).view(nb, 1, 1)
     ch = torch.arange(chans, dtype=torch.int64, device=device).view(1, 1, chans)
-    if columnwise:
+    # af3 row-wise and boltz column-wise vary along the columns; the other two along the rows.
+    along_rows = columnwise == (convention == "af3")
+    if along_rows:
         pos = torch.arange(row_offset, row_offset + rows, dtype=torch.int64, device=device)
-        out_shape = (*lead, rows, 1, chans)
     else:
         pos = torch.arange(col_offset, col_offset + cols, dtype=torch.int64, device=device)
-        out_shape = (*lead, 1, cols, chans)
+    if convention == "boltz":
+        ch = torch.full((1, 1, 1), _BOLTZ_CHANNEL_KEY, dtype=torch.int64, device=device)
+        out_shape = (*lead, rows, 1, 1) if along_rows else (*lead, 1, cols, 1)
+    else:
+        out_shape = (*lead, rows, 1, chans) if along_rows else (*lead, 1, cols, chans)
     u = uniform(seed, stream, b, pos.view(1, -1, 1), ch, device=device)
     mask = (u >= p).to(dtype) * (1.0 / (1.0 - p))
     return mask.reshape(out_shape)
@@ -86,17 +107,25 @@ def dropout_mask(
 class Dropout(nn.Module):
     """Row-wise (default) or column-wise dropout of ``x[..., R, C, c]``; no parameters.
 
+    ``convention`` (``"af3"``, the default, or ``"boltz"``) picks the mask's shape and keys
+    (module docstring).
+
     ``forward(x, seed=...)``: identity in eval mode or when ``p == 0``; in training
     mode a ``seed`` (e.g. the step number mixed with a run seed) is required, so
     every rank and the serial twin draw the same mask.
     """
 
-    def __init__(self, p: float, columnwise: bool = False, stream: int | str | None = None):
+    def __init__(
+        self, p: float, columnwise: bool = False, stream: int | str | None = None, convention: str = "af3"
+    ):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        if convention not in CONVENTIONS:
+            raise ValueError(f"dropout convention must be one of {CONVENTIONS}, got {convention!r}")
         self.p = float(p)
         self.columnwise = bool(columnwise)
+        self.convention = convention
         self.stream: int | None = stream_id(stream) if isinstance(stream, str) else stream
         if self.stream is not None and not 0 <= int(self.stream) < 2**32:
             raise ValueError(f"dropout stream must be in [0, 2**32), got {stream}")
@@ -129,6 +158,7 @@ class Dropout(nn.Module):
             col_offset=col_offset,
             dtype=dtype,
             device=device,
+            convention=self.convention,
         )
 
     def forward(self, x: torch.Tensor, seed: int | None = None) -> torch.Tensor:
@@ -143,7 +173,7 @@ class Dropout(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "columnwise" if self.columnwise else "rowwise"
-        return f"p={self.p}, {kind}, stream={self.stream}"
+        return f"p={self.p}, {kind}, stream={self.stream}, convention={self.convention!r}"
 
 
 def assign_dropout_streams(model: nn.Module) -> dict[str, int]:

@@ -1,0 +1,197 @@
+"""The Pairformer layer and stack (AlphaFold3 supplement, Algorithm 17), as Boltz-2 runs it.
+
+One layer, for a single representation ``s[B, N, c_s]``, a pair representation ``z[B, N, N,
+c_z]``, a token mask ``mask[B, N]`` and a pair mask ``pair_mask[B, N, N]``::
+
+    z <- z + Dropout_row(TriangleMultiplicationOutgoing(z, pair_mask))
+    z <- z + Dropout_row(TriangleMultiplicationIncoming(z, pair_mask))
+    z <- z + Dropout_row(TriangleAttentionStartingNode(z, pair_mask))
+    z <- z + Dropout_col(TriangleAttentionEndingNode(z, pair_mask))
+    z <- z + Transition(z)
+    s' <- LayerNorm(s)                                   # pre_norm_s
+    s <- s + AttentionPairBias(s', z, mask, k_in=s')
+    s <- s + Transition(s)
+    s <- s_post_norm(s)                                  # LayerNorm if post_layer_norm, else identity
+
+No dropout on the single track and none after the transitions (as published and as Boltz-2).
+The dropout rate is ``dropout`` (AF3: 0.25; Boltz-2's inference config: 0). ``convention``
+picks the dropout masks (``twinshard.pair.reference.dropout``): ``"boltz"`` (default) drops
+whole rows ``[B, N, 1, 1]`` after the first three updates and whole columns ``[B, 1, N, 1]``
+after the ending-node attention; ``"af3"`` shares ``[B, 1, N, c]`` across rows, then
+``[B, N, 1, c]`` across columns. Either way masks are keyed by global index; each site draws its
+own stream (``assign_dropout_streams``: the stack assigns them from the sites' qualified names
+when built; a lone layer needs the call), and ``forward(..., seed=...)`` picks the step.
+
+Names and registration order follow Boltz-2's ``PairformerLayer`` / ``PairformerModule``
+(``v2=True``): ``pre_norm_s, attention, tri_mul_out, tri_mul_in, tri_att_start, tri_att_end,
+transition_s, transition_z, s_post_norm`` and ``layers.<i>``; the dropout sites
+(``dropout_tri_mul_out`` ...) have no parameters, so a Boltz-2 ``state_dict`` loads unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from twinshard.pair.reference.attention import AttentionPairBias
+from twinshard.pair.reference.dropout import CONVENTIONS, Dropout, assign_dropout_streams
+from twinshard.pair.reference.norm import LayerNorm
+from twinshard.pair.reference.transition import Transition
+from twinshard.pair.reference.triangle import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
+from twinshard.pair.reference.triangle_attention import (
+    TriangleAttentionEndingNode,
+    TriangleAttentionStartingNode,
+)
+
+__all__ = ["PairformerLayer", "PairformerStack"]
+
+
+class PairformerLayer(nn.Module):
+    """One Pairformer block (see module docstring); ``forward(s, z, mask, pair_mask, seed=None)
+    -> (s, z)``."""
+
+    def __init__(
+        self,
+        token_s: int,
+        token_z: int,
+        num_heads: int = 16,
+        dropout: float = 0.25,
+        pairwise_head_width: int = 32,
+        pairwise_num_heads: int = 4,
+        post_layer_norm: bool = False,
+        convention: str = "boltz",
+    ):
+        super().__init__()
+        if convention not in CONVENTIONS:
+            raise ValueError(f"dropout convention must be one of {CONVENTIONS}, got {convention!r}")
+        self.token_s = token_s
+        self.token_z = token_z
+        self.num_heads = num_heads
+        self.dropout = float(dropout)
+        self.post_layer_norm = bool(post_layer_norm)
+        self.convention = convention
+        self.pre_norm_s = LayerNorm(token_s)
+        self.attention = AttentionPairBias(token_s, token_z, num_heads)
+        self.tri_mul_out = TriangleMultiplicationOutgoing(token_z)
+        self.tri_mul_in = TriangleMultiplicationIncoming(token_z)
+        self.tri_att_start = TriangleAttentionStartingNode(
+            token_z, pairwise_head_width, pairwise_num_heads, inf=1e9
+        )
+        self.tri_att_end = TriangleAttentionEndingNode(
+            token_z, pairwise_head_width, pairwise_num_heads, inf=1e9
+        )
+        self.transition_s = Transition(token_s, 4 * token_s)
+        self.transition_z = Transition(token_z, 4 * token_z)
+        self.s_post_norm = LayerNorm(token_s) if self.post_layer_norm else nn.Identity()
+        self.dropout_tri_mul_out = Dropout(dropout, convention=convention)
+        self.dropout_tri_mul_in = Dropout(dropout, convention=convention)
+        self.dropout_tri_att_start = Dropout(dropout, convention=convention)
+        self.dropout_tri_att_end = Dropout(dropout, columnwise=True, convention=convention)
+
+    def pair_stack(self, z: torch.Tensor, pair_mask: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+        """The pair half of the layer: four dropped-out residual updates and the transition."""
+        z = z + self.dropout_tri_mul_out(self.tri_mul_out(z, pair_mask), seed)
+        z = z + self.dropout_tri_mul_in(self.tri_mul_in(z, pair_mask), seed)
+        z = z + self.dropout_tri_att_start(self.tri_att_start(z, pair_mask), seed)
+        z = z + self.dropout_tri_att_end(self.tri_att_end(z, pair_mask), seed)
+        return z + self.transition_z(z)
+
+    def single_stack(self, s: torch.Tensor, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The single half: attention with pair bias (keys from the normed ``s``), transition."""
+        s_normed = self.pre_norm_s(s)
+        s = s + self.attention(s_normed, z, mask, k_in=s_normed)
+        s = s + self.transition_s(s)
+        return self.s_post_norm(s)
+
+    def forward(
+        self,
+        s: torch.Tensor,
+        z: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        pair_mask: torch.Tensor | None = None,
+        seed: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s[B, N, token_s]``, ``z[B, N, N, token_z]``, ``mask[B, N]`` and ``pair_mask[B, N, N]``
+        (default: all ones) -> ``(s, z)``. ``seed`` is required in training mode with dropout."""
+        if (
+            s.dim() != 3
+            or z.dim() != 4
+            or tuple(z.shape[:2]) != tuple(s.shape[:2])
+            or z.shape[1] != z.shape[2]
+        ):
+            raise ValueError(
+                f"expected s[B, N, c_s] and z[B, N, N, c_z], got {tuple(s.shape)} and {tuple(z.shape)}"
+            )
+        if mask is None:
+            mask = s.new_ones(s.shape[:2])
+        if pair_mask is None:
+            pair_mask = mask[:, :, None] * mask[:, None, :]
+        z = self.pair_stack(z, pair_mask, seed)
+        return self.single_stack(s, z, mask), z
+
+    def extra_repr(self) -> str:
+        return (
+            f"token_s={self.token_s}, token_z={self.token_z}, num_heads={self.num_heads}, "
+            f"dropout={self.dropout}, convention={self.convention!r}"
+        )
+
+
+class PairformerStack(nn.Module):
+    """``num_blocks`` Pairformer layers in sequence (Boltz-2's ``PairformerModule``).
+
+    Dropout streams are assigned from the qualified site names at construction
+    (``layers.<i>.dropout_tri_mul_out`` ...), so every site draws its own mask and a twin with the
+    same names draws the same ones. ``activation_checkpointing`` recomputes each layer in
+    backward (``torch.utils.checkpoint``, non-reentrant); the counter-based dropout redraws the
+    same masks, so the result is unchanged.
+    """
+
+    def __init__(
+        self,
+        token_s: int,
+        token_z: int,
+        num_blocks: int,
+        num_heads: int = 16,
+        dropout: float = 0.25,
+        pairwise_head_width: int = 32,
+        pairwise_num_heads: int = 4,
+        post_layer_norm: bool = False,
+        activation_checkpointing: bool = False,
+        convention: str = "boltz",
+    ):
+        super().__init__()
+        self.token_s = token_s
+        self.token_z = token_z
+        self.num_blocks = int(num_blocks)
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self.layers = nn.ModuleList(
+            PairformerLayer(
+                token_s,
+                token_z,
+                num_heads,
+                dropout,
+                pairwise_head_width,
+                pairwise_num_heads,
+                post_layer_norm,
+                convention,
+            )
+            for _ in range(self.num_blocks)
+        )
+        assign_dropout_streams(self)
+
+    def forward(
+        self,
+        s: torch.Tensor,
+        z: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        pair_mask: torch.Tensor | None = None,
+        seed: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the layers in order: ``(s, z) -> (s, z)`` (arguments as ``PairformerLayer``)."""
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                s, z = checkpoint(layer, s, z, mask, pair_mask, seed, use_reentrant=False)
+            else:
+                s, z = layer(s, z, mask, pair_mask, seed)
+        return s, z
