@@ -133,3 +133,75 @@ def test_calculator_inside_ase_dynamics_matches_ase_lj():
     assert_parity(torch.tensor(ours.positions), torch.tensor(ref.positions), what="ASE BFGS, 8 steps")
     e = [torch.tensor(a.get_potential_energy(), dtype=torch.float64) for a in (ours, ref)]
     assert_parity(e[0], e[1], what="ASE BFGS energy")
+
+
+_TORCHRUN_SCRIPT = """
+import json
+import numpy as np
+import torch
+import torch.distributed as dist
+from ase import units
+from ase.md.verlet import VelocityVerlet
+from ase.optimize import BFGS
+import twinshard.atoms as ta
+from twinshard.runtime import init_world
+
+world = init_world()
+import ase.build
+atoms = ase.build.bulk("Ar", "fcc", a=5.3, cubic=True).repeat((3, 3, 3))
+atoms.positions += np.random.default_rng(0).normal(scale=0.1, size=atoms.positions.shape)
+lj = ta.LennardJones(cutoff=6.0)
+dist_atoms, serial_atoms = atoms.copy(), atoms.copy()
+dist_atoms.calc = ta.TwinshardCalculator(lj)  # a world of 2 ranks: distributed by default
+serial_atoms.calc = ta.TwinshardCalculator(lj, distributed=False)
+out = {}
+for name, a in (("dist", dist_atoms), ("serial", serial_atoms)):
+    a.set_momenta(np.zeros_like(a.positions))
+    VelocityVerlet(a, timestep=5 * units.fs).run(6)
+    out[name + "_verlet"] = a.positions.tolist()
+    BFGS(a, logfile=None).run(fmax=1e-3, steps=5)
+    out[name + "_bfgs"] = a.positions.tolist()
+    out[name + "_stress"] = a.get_stress().tolist()
+res = ta.run_md(atoms, lj, steps=8, thermostat="langevin", temperature=100.0, seed=1, initial_temperature=100.0)
+out["run_md_ranks"] = res.ranks
+if world.rank == 0:
+    out["run_md_positions"] = res.system.positions.tolist()
+    print("RESULT " + json.dumps(out), flush=True)
+else:
+    assert res.system is None and len(res.thermo.rows) == 2
+"""
+
+
+def test_calculator_in_ase_dynamics_and_run_md_under_torchrun(tmp_path):
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    script = tmp_path / "script.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == 1  # rank 0 only
+    out = json.loads(lines[0][7:])
+    for what in ("verlet", "bfgs", "stress"):
+        a, b = (torch.tensor(out[f"{k}_{what}"], dtype=torch.float64) for k in ("dist", "serial"))
+        assert_parity(a, b, what=f"ASE {what} with the distributed calculator (torchrun)", grid="2")
+    # run_md used the launched world (2 ranks) and equals the serial Langevin run
+    assert out["run_md_ranks"] == 2
+    import ase.build
+
+    atoms = ase.build.bulk("Ar", "fcc", a=5.3, cubic=True).repeat((3, 3, 3))
+    atoms.positions += np.random.default_rng(0).normal(scale=0.1, size=atoms.positions.shape)
+    start = ta.System.from_ase(atoms)
+    start.velocities = ta.maxwell_boltzmann(start.masses, start.ids, 100.0, seed=1)
+    ref, _, _ = _serial(start, ta.LennardJones(cutoff=6.0), ta.Langevin(2.0, 100.0, 0.01, seed=1), 8)
+    got = torch.tensor(out["run_md_positions"], dtype=torch.float64)
+    assert_parity(got, ref.positions, what="run_md under torchrun positions", grid="2")
