@@ -6,9 +6,14 @@ Twin: the same module run on this rank's tile, its replicated parameters entered
 porting guide walks through, the twin the harness's negative controls plant bugs in, and the
 foundation section of ``twinshard demo``.
 
-Placements: z tile (r, c) = rows block r x cols block c (any N; blocks as even as possible)
-in and out; parameters replicated. Collectives: none forward; backward one all-reduce per
-parameter (in >= fp32). Memory saved per rank: the tile's activations, N^2 / P of serial.
+Placements: z tile (r, c) = rows block r x cols block c in and out; parameters replicated.
+Any N, by the library's padding policy (``twinshard.tensors.dtensor``): z is padded at the end
+to Np, a multiple of lcm(rows, cols), so every tile has the same shape
+(``tile_slices``); the padded entries are zeros and stay inert (the MLP is token-local, so they
+never reach a real entry, and their gradient is cut away); ``collect_tiles`` gathers the equal
+tiles and cuts the padding off, giving the caller's N back. Collectives: none forward; backward
+one all-reduce per parameter (in >= fp32). Memory saved per rank: the tile's activations,
+Np^2 / P of serial.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from twinshard import comm
 from twinshard.runtime import ProcessGrid
+from twinshard.tensors.dtensor import pad_dim, padded_tokens, real_tile, tile_slices, unpad
 from twinshard.testing.checks import TwinResult, parameter_signature, serial_reference
 from twinshard.testing.inputs import random_grad_output, synthetic
 
@@ -54,22 +61,21 @@ class TiledPairMLP(PairMLP):
         return out.transpose(0, 1) if self.bug == "transposed_tile" else out
 
 
-def blocks(n: int, parts: int) -> list[int]:
-    """Block sizes of n items over ``parts`` ranks, as even as possible (the first ones larger)."""
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+PLACEMENTS = (Shard(0), Shard(1))  # z[N, N, c]: rows over grid rows, columns over grid columns
 
 
 def tile_of(z: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
-    """This rank's tile of a full z[N, N, ...] (a boundary helper for tests: slices, no comm)."""
-    r, c = grid.coords
-    rs, cs = blocks(z.shape[0], grid.rows), blocks(z.shape[1], grid.cols)
-    return z[sum(rs[:r]) : sum(rs[: r + 1]), sum(cs[:c]) : sum(cs[: c + 1])]
+    """This rank's tile of a full z[N, N, ...], padded with zeros to Np (slices, no comm)."""
+    n_padded = padded_tokens(z.shape[0], grid)
+    zp = pad_dim(pad_dim(z, 0, n_padded), 1, n_padded)
+    return zp[tile_slices(zp.shape, grid, PLACEMENTS)]
 
 
 def collect_tiles(t: torch.Tensor, grid: ProcessGrid, n: int) -> torch.Tensor:
-    """Gather tiles into the full z on every rank (all-gather along the row, then the column)."""
-    row = comm.all_gather(t, 1, grid.row_group, blocks(n, grid.cols))
-    return comm.all_gather(row, 0, grid.col_group, blocks(n, grid.rows))
+    """Gather the equal tiles into the full z on every rank (all-gather along the row, then the
+    column) and cut the padding off: the caller's N back."""
+    row = comm.all_gather(t, 1, grid.row_group)
+    return unpad(comm.all_gather(row, 0, grid.col_group), {0: n, 1: n})
 
 
 def run_example_twin(
@@ -94,15 +100,22 @@ def run_example_twin(
     y = model(zt)
     if bug == "replicated_input":
         y_full = y
+        everything = (slice(0, n), slice(0, n), slice(0, c))
+        shards = {"z": (zt.detach(), everything), "out": (y.detach(), everything)}
     else:
         y_full = collect_tiles(y, grid, n)
+        # Evidence: this rank's real (unpadded) blocks of the input and output, and where they sit.
+        shards = {
+            "z": real_tile(zt.detach(), grid, PLACEMENTS, (n, n, c)),
+            "out": real_tile(y.detach(), grid, PLACEMENTS, (n, n, c)),
+        }
     y.backward(gy if bug == "replicated_input" else tile_of(gy, grid))
     gz = zt.grad if bug == "replicated_input" else collect_tiles(zt.grad, grid, n)
     return TwinResult(
         out=y_full.detach(),
         grads_in={"z": gz},
         param_grads={k: v.grad for k, v in model.named_parameters()},
-        shards={"z": zt.detach()},
+        shards=shards,
         params=parameter_signature(model),
     )
 
