@@ -11,11 +11,17 @@ Philox4x32-10 (Salmon et al., SC'11) is computed in int64 torch ops with
 backend and device. Keys are non-negative integers below 2**32 (Python ints or
 int64 tensors, broadcast together); up to three key words are free for the
 caller, the fourth is used internally to draw several words per key.
+
+Seeds and streams are integers in [0, 2**32) too: the Philox key is
+``(seed, stream * 0x9E3779B1 mod 2**32)``, a bijection of (seed, stream), so two
+different (seed, stream) pairs never draw the same stream. (A 64-bit seed cannot
+share a 64-bit key with a stream without collisions; out-of-range values raise.)
 """
 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -75,10 +81,25 @@ def _counters(keys: tuple[torch.Tensor | int, ...], device: torch.device | None)
 def random_bits(
     seed: int, stream: int, *keys: torch.Tensor | int, block: int = 0, device: torch.device | None = None
 ) -> list[torch.Tensor]:
-    """Four independent 32-bit words (int64 tensors) per broadcast key."""
+    """Four independent 32-bit words (int64 tensors) per broadcast key.
+
+    ``seed``, ``stream`` and ``block`` are integers in [0, 2**32) (ValueError otherwise)."""
+    seed, stream, block = _word("seed", seed), _word("stream", stream), _word("block", block)
     c = _counters(keys, device)
-    c.append(torch.full_like(c[0], block & _MASK32))
-    return philox4x32(c, (seed & _MASK32, ((seed >> 32) ^ (stream * 0x9E3779B1)) & _MASK32))
+    c.append(torch.full_like(c[0], block))
+    # 0x9E3779B1 is odd, so stream -> stream * 0x9E3779B1 mod 2**32 is a bijection: the key
+    # (seed, that) identifies (seed, stream) uniquely
+    return philox4x32(c, (seed, (stream * 0x9E3779B1) & _MASK32))
+
+
+def _word(name: str, value: int) -> int:
+    v = operator.index(value)  # ints only (numpy ints too), not floats or tensors
+    if not 0 <= v <= _MASK32:
+        raise ValueError(
+            f"random {name} must be an integer in [0, 2**32), got {v}: the counter-based RNG keys on "
+            "32-bit words (fold a larger value first, e.g. value % 2**32)"
+        )
+    return v
 
 
 def _u53(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
