@@ -11,7 +11,7 @@ def synthetic(
 ) -> torch.Tensor:
     """A seeded standard-normal tensor (the same on every rank and in the test process)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=dtype) * scale
+    return torch.randn(tuple(shape), generator=g, dtype=dtype) * scale  # a tuple: 0-d works too
 
 
 def random_grad_output(
