@@ -3,8 +3,8 @@
 Serial: ``PairMLP`` (z + linear_2(gelu(linear_1(z)))), applied to every (i, j) entry.
 Twin: the same module run on this rank's tile, its replicated parameters entered through
 ``comm.sync_grad`` so their gradients are summed over the grid. This is the template the README's
-porting guide walks through, the twin the harness's negative controls plant bugs in, and the
-foundation section of ``twinshard demo``.
+porting guide walks through; the harness's negative controls (tests/testing/test_harness.py) plant
+their bugs in subclasses of its twin, from the test.
 
 Placements: z tile (r, c) = rows block r x cols block c in and out; parameters replicated.
 Any N, by the library's padding policy (``twinshard.tensors.dtensor``): z is padded at the end
@@ -29,8 +29,6 @@ from twinshard.tensors.dtensor import pad_dim, padded_tokens, real_tile, tile_sl
 from twinshard.testing.checks import TwinResult, parameter_signature, serial_reference
 from twinshard.testing.inputs import random_grad_output, synthetic
 
-BUGS = ("missing_grad_reduce", "transposed_tile", "replicated_input", "raise_on_rank_1")
-
 
 class PairMLP(nn.Module):
     """Serial residual MLP over the channel dim of a pair tensor."""
@@ -47,18 +45,15 @@ class PairMLP(nn.Module):
 class TiledPairMLP(PairMLP):
     """Twin of PairMLP on a rows x cols grid (same parameter names and order)."""
 
-    def __init__(self, c: int, hidden: int, grid: ProcessGrid, bug: str | None = None):
+    def __init__(self, c: int, hidden: int, grid: ProcessGrid):
         super().__init__(c, hidden)
-        self.grid, self.bug = grid, bug
+        self.grid = grid
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        p = {
-            n: (w if self.bug == "missing_grad_reduce" else comm.sync_grad(w))
-            for n, w in self.named_parameters()
-        }
+        # replicated parameters enter through sync_grad: identity forward, all-reduce backward
+        p = {n: comm.sync_grad(w) for n, w in self.named_parameters()}
         h = F.gelu(F.linear(z, p["linear_1.weight"], p["linear_1.bias"]))
-        out = z + F.linear(h, p["linear_2.weight"], p["linear_2.bias"])
-        return out.transpose(0, 1) if self.bug == "transposed_tile" else out
+        return z + F.linear(h, p["linear_2.weight"], p["linear_2.bias"])
 
 
 PLACEMENTS = (Shard(0), Shard(1))  # z[N, N, c]: rows over grid rows, columns over grid columns
@@ -80,40 +75,35 @@ def collect_tiles(t: torch.Tensor, grid: ProcessGrid, n: int) -> torch.Tensor:
 
 def run_example_twin(
     grid: ProcessGrid,
-    n: int = 7,
+    n: int = 13,
     c: int = 4,
     hidden: int = 6,
-    bug: str | None = None,
     zero_param: bool = False,
+    twin: type[TiledPairMLP] = TiledPairMLP,
 ) -> TwinResult:
-    """One rank's side of the example parity test (the serial inputs are rebuilt from seeds)."""
+    """One rank's side of the example parity test (the serial inputs are rebuilt from seeds).
+
+    ``n`` = 13 is uneven on every grid of the tests and still gives every rank real entries (on
+    2 x 3 it pads to 18, tiles of 9 x 6)."""
     torch.manual_seed(0)
-    model = TiledPairMLP(c, hidden, grid, bug)
+    model = twin(c, hidden, grid)
     if zero_param:
         with torch.no_grad():
             model.linear_2.weight.zero_()
     z = synthetic(n, n, c, seed=1)
     gy = random_grad_output((n, n, c), seed=2)
-    if bug == "raise_on_rank_1" and grid.rank == 1:
-        raise ValueError("planted failure on rank 1 before the first collective")
-    zt = (z if bug == "replicated_input" else tile_of(z, grid)).clone().requires_grad_(True)
+    zt = tile_of(z, grid).clone().requires_grad_(True)
     y = model(zt)
-    if bug == "replicated_input":
-        y_full = y
-        everything = (slice(0, n), slice(0, n), slice(0, c))
-        shards = {"z": (zt.detach(), everything), "out": (y.detach(), everything)}
-    else:
-        y_full = collect_tiles(y, grid, n)
-        # Evidence: this rank's real (unpadded) blocks of the input and output, and where they sit.
-        shards = {
-            "z": real_tile(zt.detach(), grid, PLACEMENTS, (n, n, c)),
-            "out": real_tile(y.detach(), grid, PLACEMENTS, (n, n, c)),
-        }
-    y.backward(gy if bug == "replicated_input" else tile_of(gy, grid))
-    gz = zt.grad if bug == "replicated_input" else collect_tiles(zt.grad, grid, n)
+    y_full = collect_tiles(y, grid, n)
+    # Evidence: this rank's real (unpadded) blocks of the input and output, and where they sit.
+    shards = {
+        "z": real_tile(zt.detach(), grid, PLACEMENTS, (n, n, c)),
+        "out": real_tile(y.detach(), grid, PLACEMENTS, (n, n, c)),
+    }
+    y.backward(tile_of(gy, grid))
     return TwinResult(
         out=y_full.detach(),
-        grads_in={"z": gz},
+        grads_in={"z": collect_tiles(zt.grad, grid, n)},
         param_grads={k: v.grad for k, v in model.named_parameters()},
         shards=shards,
         params=parameter_signature(model),
@@ -121,7 +111,7 @@ def run_example_twin(
 
 
 def serial_example(
-    n: int = 7, c: int = 4, hidden: int = 6, zero_param: bool = False, uniform_grad: bool = False
+    n: int = 13, c: int = 4, hidden: int = 6, zero_param: bool = False, uniform_grad: bool = False
 ) -> dict:
     """The serial run of the example: module, output, input and parameter gradients, grad_output."""
     torch.manual_seed(0)
@@ -131,68 +121,3 @@ def serial_example(
             model.linear_2.weight.zero_()
     gy = torch.ones(n, n, c, dtype=torch.float64) if uniform_grad else random_grad_output((n, n, c), seed=2)
     return serial_reference(model, model, {"z": synthetic(n, n, c, seed=1)}, grad_output=gy)
-
-
-def _max_over_ranks(value: float) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def demo_rows() -> list[dict]:
-    """Foundation section of ``twinshard demo`` (run on every rank of a 4-rank world): the
-    adjoint gap of each comm op, and the example twin's parity on a 2 x 2 grid, with bytes."""
-    from twinshard.runtime import make_grid
-    from twinshard.testing.checks import adjoint_pair
-
-    grid = make_grid((2, 2))
-    r = grid.rank
-    x = synthetic(3, 5, seed=10 + r)
-    splits = [(r + s) % 3 for s in range(grid.size)]  # symmetric, uneven, with empty messages
-    ops = {
-        "all_reduce (world)": (comm.all_reduce, x),
-        "all_gather dim 1 (row)": (lambda t: comm.all_gather(t, 1, grid.row_group), x),
-        "reduce_scatter dim 0 (col, uneven)": (
-            lambda t: comm.reduce_scatter(t, 0, grid.col_group, [1, 2]),
-            x,
-        ),
-        "all_to_all (uneven splits)": (
-            lambda t: comm.all_to_all(t, splits, splits),
-            synthetic(sum(splits), 5, seed=r),
-        ),
-        "ring_shift cols k=1": (lambda t: comm.ring_shift(t, grid, "cols", 1), x),
-        "grid_transpose": (lambda t: comm.grid_transpose(t, grid), x),
-    }
-    rows = []
-    for name, (f, xin) in ops.items():
-        with comm.CommLedger() as led:
-            lhs, rhs = adjoint_pair(f, xin, seed=20 + r)
-        rows.append(
-            {
-                "what": f"adjoint <dy,f(x)> = <f*(dy),x>: {name}",
-                "grid": "2x2",
-                "max_abs_error": abs(lhs - rhs),
-                "bytes_per_rank": _max_over_ranks(led.bytes_sent),
-            }
-        )
-    with comm.CommLedger() as led:
-        res = run_example_twin(grid, n=7)
-    ser = serial_example(n=7)
-    err = max(
-        [
-            float((res.out - ser["serial_out"]).abs().max()),
-            float((res.grads_in["z"] - ser["serial_grads_in"]["z"]).abs().max()),
-        ]
-        + [float((res.param_grads[k] - g).abs().max()) for k, g in ser["serial_param_grads"].items()]
-    )
-    rows.append(
-        {
-            "what": "pair MLP twin (N=7, fwd + bwd + param grads)",
-            "grid": "2x2",
-            "max_abs_error": _max_over_ranks(err),
-            "bytes_per_rank": _max_over_ranks(led.bytes_sent),
-        }
-    )
-    return rows
