@@ -203,6 +203,7 @@ def rows_of(ids: torch.Tensor, full_ids: torch.Tensor) -> torch.Tensor:
     """Rows of ``full_ids`` (unique global ids, any order) holding ``ids``: the row index of a
     rank's atoms in the serial system, for ``assert_shards_cover``. Unknown ids raise."""
     sorted_ids, perm = full_ids.sort()
+    ids = ids.contiguous()
     pos = torch.searchsorted(sorted_ids, ids).clamp_max(max(len(sorted_ids) - 1, 0))
     if ids.numel() and not torch.equal(sorted_ids[pos], ids):
         raise AssertionError(f"ids {ids[sorted_ids[pos] != ids][:5].tolist()} are not in the serial system")
