@@ -1,0 +1,312 @@
+#!/usr/bin/env python
+"""Mutation sweep: plant realistic one-line bugs and check that the suite catches each one.
+
+Each mutation replaces one exact line fragment in one source file (the fragment must occur
+exactly once, so a sweep that no longer matches the code says so instead of passing) and names
+the tests expected to catch it. The sweep runs in a private copy of ``src/`` and ``tests/``
+(the working tree is never touched), one mutation at a time, with ``PYTHONPATH`` pointing at the
+copy so the pytest plugin and the rank workers import the mutated package.
+
+    python tools/mutations.py              # every mutation; a table, then JSON on the last line
+    python tools/mutations.py --list       # the mutations
+    python tools/mutations.py --only ID    # one (repeatable)
+
+Exit status 0 only if every mutation applied and was caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    id: str
+    kind: str
+    file: str  # relative to src/twinshard
+    find: str
+    replace: str
+    tests: tuple[str, ...]
+
+
+M = Mutation
+MUTATIONS: list[Mutation] = [
+    # -- comm: adjoints, reductions, routing
+    M(
+        "all_reduce_bwd_dropped",
+        "dropped reduction",
+        "comm/ops.py",
+        'return P.all_reduce(g, ctx.group, op="all_reduce:backward"), None',
+        "return g.clone(), None",
+        ("tests/comm/test_adjoint.py",),
+    ),
+    M(
+        "sync_grad_bwd_dropped",
+        "dropped reduction",
+        "comm/ops.py",
+        'return P.all_reduce(g, ctx.group, op="sync_grad:backward"), None',
+        "return g, None",
+        ("tests/comm/test_adjoint.py",),
+    ),
+    M(
+        "all_to_all_bwd_splits",
+        "wrong adjoint",
+        "comm/ops.py",
+        'return P.all_to_all(g, ctx.recv, ctx.send, ctx.group, op="all_to_all:backward")',
+        'return P.all_to_all(g, ctx.send, ctx.recv, ctx.group, op="all_to_all:backward")',
+        ("tests/comm/test_adjoint.py",),
+    ),
+    M(
+        "reduce_dtype_fp32",
+        "fp32 cast",
+        "comm/primitives.py",
+        "return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype",
+        "return torch.float32 if dtype.is_floating_point else dtype",
+        ("tests/comm/test_adjoint.py",),
+    ),
+    M(
+        "ring_shift_direction",
+        "wrong routing",
+        "comm/ops.py",
+        'return permute(x, ranks[(i + k) % n], ranks[(i - k) % n], recv_shape, op="ring_shift")',
+        'return permute(x, ranks[(i - k) % n], ranks[(i + k) % n], recv_shape, op="ring_shift")',
+        ("tests/comm/test_adjoint.py", "tests/pair/test_triangle.py"),
+    ),
+    # -- atoms: halo exchange and neighbour contract
+    M(
+        "halo_reverse_dropped",
+        "dropped halo sum",
+        "atoms/halo.py",
+        "out.index_add_(0, self.send_idx[q].to(y.device), g.to(acc))",
+        "out.index_add_(0, self.send_idx[q].to(y.device), 0 * g.to(acc))",
+        ("tests/atoms/test_halo.py", "tests/atoms/test_distributed.py"),
+    ),
+    M(
+        "halo_reverse_fp32",
+        "fp32 cast",
+        "atoms/halo.py",
+        "acc = prim.reduce_dtype(y.dtype)",
+        "acc = torch.float32",
+        ("tests/atoms/test_halo.py", "tests/atoms/test_distributed.py"),
+    ),
+    M(
+        "halo_forward_misrouted_rows",
+        "misrouted rows",
+        "atoms/halo.py",
+        "(self.global_peers[q], x[self.send_idx[q].to(x.device)])",
+        "(self.global_peers[q], x[self.send_idx[q].roll(1).to(x.device)])",
+        ("tests/atoms/test_halo.py", "tests/atoms/test_distributed.py"),
+    ),
+    M(
+        "ghost_shell_thin",
+        "dropped halo row",
+        "atoms/halo.py",
+        "margin = w / partition.heights()",
+        "margin = 0.97 * w / partition.heights()",
+        ("tests/atoms/test_halo.py",),
+    ),
+    M(
+        "halo_receiver_off_by_one",
+        "off-by-one",
+        "atoms/sharded.py",
+        "keep = edges.receivers < self.n_owned",
+        "keep = edges.receivers <= self.n_owned",
+        ("tests/atoms/test_distributed.py", "tests/atoms/test_sharded.py"),
+    ),
+    # -- atoms: migration, rebuild, global sums, MD keys
+    M(
+        "migrate_rows_to_wrong_rank",
+        "misrouted rows",
+        "atoms/sharded.py",
+        "order = torch.sort(dest, stable=True).indices.to(dev)",
+        "order = torch.sort(dest, stable=True).indices.roll(1).to(dev)",
+        ("tests/atoms/test_sharded.py",),
+    ),
+    M(
+        "rebuild_threshold",
+        "stale neighbour list",
+        "atoms/sharded.py",
+        "if disp > 0.5 * self.skin or forced:",
+        "if disp > 4.0 * self.skin or forced:",
+        ("tests/atoms/test_md_parity.py", "tests/atoms/test_sharded.py"),
+    ),
+    M(
+        "potential_sum_dropped",
+        "dropped reduction",
+        "atoms/distributed.py",
+        'total = prim.all_reduce(packed.to(prim.reduce_dtype(dtype)), sharded.group, op="potential").to(dtype)',
+        "total = packed",
+        ("tests/atoms/test_distributed.py",),
+    ),
+    M(
+        "langevin_key_local_row",
+        "wrong key",
+        "atoms/md.py",
+        "xi = rng.normal(self.seed, LANGEVIN_STREAM, ida, int(step), comp, dtype=v.dtype, device=v.device)",
+        "xi = rng.normal(self.seed, LANGEVIN_STREAM, ida - ida.min(), int(step), comp, dtype=v.dtype, device=v.device)",
+        ("tests/atoms/test_md_parity.py", "tests/atoms/test_md.py"),
+    ),
+    M(
+        "thermo_sum_fp32",
+        "fp32 cast",
+        "atoms/driver.py",
+        "y = x.reshape(-1).to(prim.reduce_dtype(x.dtype)).contiguous()",
+        "y = x.reshape(-1).to(torch.float32).contiguous()",
+        ("tests/atoms/test_driver.py",),
+    ),
+    # -- tensors: counter-based RNG
+    M(
+        "philox_key_schedule",
+        "wrong key",
+        "tensors/rng.py",
+        "k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32",
+        "k0, k1 = (k0 + _W0) & _MASK32, k1",
+        ("tests/tensors/test_rng.py",),
+    ),
+    M(
+        "rng_range_check_skipped",
+        "missing validation",
+        "tensors/rng.py",
+        "            if bool(bad.any()):",
+        "            if False:",
+        ("tests/tensors/test_rng.py",),
+    ),
+    # -- pairs: padding, dropout keys, replicated gradients, fp32 casts
+    M(
+        "trimul_padding_mask_skipped",
+        "skipped mask",
+        "pair/layers/triangle.py",
+        "mask_local = keep if mask_local is None else mask_local * keep",
+        "mask_local = mask_local",
+        ("tests/pair/test_twins_padded.py",),
+    ),
+    M(
+        "dropout_offsets_swapped",
+        "wrong key",
+        "pair/layers/dropout.py",
+        "row_offset=off[-3], col_offset=off[-2]",
+        "row_offset=off[-2], col_offset=off[-3]",
+        ("tests/pair/test_triangle_dropout.py", "tests/pair/test_layers_substrate.py"),
+    ),
+    M(
+        "opm_count_unclamped",
+        "wrong normalisation",
+        "pair/reference/outer_product.py",
+        'return torch.einsum("bsi,bsj->bij", mk, mk).clamp(min=1).unsqueeze(-1)',
+        'return torch.einsum("bsi,bsj->bij", mk, mk).clamp(min=1e-3).unsqueeze(-1)',
+        ("tests/pair/test_reference_substrate.py", "tests/pair/test_outer_product.py"),
+    ),
+    M(
+        "layer_norm_fp32",
+        "fp32 cast",
+        "pair/reference/norm.py",
+        "ct = compute_dtype(x.dtype)",
+        "ct = torch.float32",
+        ("tests/pair/test_reference_substrate.py",),
+    ),
+    M(
+        "pair_params_unreduced",
+        "dropped reduction",
+        "pair/layers/tokenwise.py",
+        "group = grad_group(like.device_mesh, like.placements)",
+        "group = False",
+        ("tests/pair/test_layers_substrate.py",),
+    ),
+]
+
+
+def _apply(copy: Path, m: Mutation) -> str | None:
+    path = copy / "src" / "twinshard" / m.file
+    text = path.read_text()
+    count = text.count(m.find)
+    if count != 1:
+        return f"fragment found {count} times in {m.file} (the sweep no longer matches the code)"
+    path.write_text(text.replace(m.find, m.replace))
+    return None
+
+
+def _restore(copy: Path, m: Mutation) -> None:
+    shutil.copy2(ROOT / "src" / "twinshard" / m.file, copy / "src" / "twinshard" / m.file)
+
+
+def _first_failure(out: str) -> tuple[str, str]:
+    test = next((ln.split(" ", 2)[1] for ln in out.splitlines() if ln.startswith("FAILED ")), "")
+    msg = next((ln[2:].strip() for ln in out.splitlines() if ln.startswith("E  ")), "")
+    return test, msg[:160]
+
+
+def run(mutations: list[Mutation], timeout: float) -> list[dict]:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="twinshard-mut-") as tmp:
+        copy = Path(tmp)
+        shutil.copytree(
+            ROOT / "src", copy / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__")
+        )
+        shutil.copytree(ROOT / "tests", copy / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(ROOT / "pyproject.toml", copy / "pyproject.toml")
+        env = dict(os.environ, PYTHONPATH=str(copy / "src"), TWINSHARD_EVIDENCE="", OMP_NUM_THREADS="1")
+        for m in mutations:
+            t0 = time.perf_counter()
+            err = _apply(copy, m)
+            row = {"id": m.id, "kind": m.kind, "file": m.file, "tests": list(m.tests)}
+            if err:
+                row.update(caught=False, error=err)
+            else:
+                try:
+                    res = subprocess.run(
+                        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+                        cwd=copy,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=timeout,
+                    )
+                    out = res.stdout + res.stderr
+                    test, msg = _first_failure(out)
+                    row.update(caught=res.returncode == 1 and bool(test), by=test, message=msg)
+                    if res.returncode not in (0, 1):
+                        row["error"] = f"pytest exit {res.returncode}: {out.strip().splitlines()[-1:]}"
+                except subprocess.TimeoutExpired:
+                    row.update(caught=False, error=f"timed out after {timeout:.0f} s")
+                finally:
+                    _restore(copy, m)
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            results.append(row)
+            mark = "caught" if row["caught"] else "MISSED"
+            print(f"{mark:7s} {m.id:28s} {row.get('by') or row.get('error', '')}", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--only", action="append", default=[], help="run only this mutation id (repeatable)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutation")
+    a = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not a.only or m.id in a.only]
+    if a.list:
+        for m in chosen:
+            print(f"{m.id:28s} {m.kind:22s} {m.file}: {m.find!r} -> {m.replace!r}")
+        return 0
+    unknown = set(a.only) - {m.id for m in MUTATIONS}
+    if unknown:
+        ap.error(f"unknown mutation ids {sorted(unknown)}")
+    results = run(chosen, a.timeout)
+    caught = sum(r["caught"] for r in results)
+    print(json.dumps({"mutations": len(results), "caught": caught, "results": results}))
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
