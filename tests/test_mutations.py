@@ -2,6 +2,7 @@
 occurs exactly once in its file, so a refactor cannot silently turn the sweep into a no-op."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -10,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _sweep():
     spec = importlib.util.spec_from_file_location("mutations", ROOT / "tools" / "mutations.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["mutations"] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
