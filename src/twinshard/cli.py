@@ -2,7 +2,7 @@
 
 twinshard demo                     the main job: every family on 4 local ranks vs serial
 twinshard md [STRUCTURE] ...       distributed MD (see ``twinshard md --help``)
-twinshard bench pair|atoms|harness benchmarks that print JSON (last stdout line)
+twinshard bench pair|atoms|migrate|harness  benchmarks that print JSON (last stdout line)
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (JSON on the last stdout line)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bench_atoms.add_parser(bsub)
+    bench_atoms.add_migrate_parser(bsub)
     bench_pair.add_parser(bsub)
     h = bsub.add_parser("harness", help="time a trivial function through the parity harness")
     h.add_argument("--ranks", type=int, default=4)
