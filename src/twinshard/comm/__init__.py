@@ -19,6 +19,7 @@ from twinshard.comm.ops import (
     ring_shift,
     sync_grad,
     sync_params,
+    transpose_tiles,
 )
 from twinshard.comm.primitives import reduce_dtype
 
@@ -38,4 +39,5 @@ __all__ = [
     "ring_shift",
     "sync_grad",
     "sync_params",
+    "transpose_tiles",
 ]

@@ -5,7 +5,8 @@ sum_r <dy_r, f(x)_r> = sum_r <f*(dy)_r, x_r> (tested in fp64 at several world an
 grid sizes). Adjoint pairs: all_reduce <-> all_reduce, all_gather <-> reduce_scatter,
 all_to_all <-> the reverse all_to_all, broadcast <-> reduce to the source,
 sync_grad (identity, for replicated parameters) <-> all_reduce, ring shift by k <->
-shift by -k, permutation <-> its inverse, exchange <-> the reverse exchange.
+shift by -k, permutation <-> its inverse, exchange <-> the reverse exchange,
+transpose_tiles (any 2-D grid) <-> itself.
 Gradient sums run in >= fp32 (fp64 stays fp64) and are cast back to the input dtype.
 """
 
@@ -331,8 +332,91 @@ def grid_transpose(
     if grid.ndim != 2 or grid.rows != grid.cols:
         raise ValueError(
             f"grid_transpose needs a square 2-D grid, got {'x'.join(map(str, grid.shape))}; "
-            "use permute() with the tile map of a rectangular grid"
+            "use transpose_tiles() (any grid shape), or permute() with a tile map"
         )
     r, c = grid.coords
     peer = grid.rank_of((c, r))
     return permute(x, peer, peer, recv_shape, op="grid_transpose")
+
+
+def _interval(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+def _transpose_moves(grid: ProcessGrid, nr: int, nc: int) -> tuple[list, list]:
+    """Pieces of one tile transposition on a rows x cols grid (replicated metadata only).
+
+    The matrix is N x N with N = nr * rows = nc * cols; rank (r, c) stores ``X[I_r, J_c]``
+    (I: row blocks of nr, J: column blocks of nc) and must end with ``X^T[I_r, J_c] =
+    X[J_c, I_r]^T``. Returns ``sends = [(peer, rows, cols)]`` (ranges within my stored tile)
+    and ``recvs = [(peer, rows, cols)]`` (ranges of the peer's stored tile, in global
+    indices, that land transposed in my output tile); one piece per peer and direction.
+    """
+    r, c = grid.coords
+    mine_i, mine_j = (r * nr, (r + 1) * nr), (c * nc, (c + 1) * nc)
+    sends, recvs = [], []
+    for peer in range(grid.size):
+        pr, pc = grid.coords_of(peer)
+        peer_i, peer_j = (pr * nr, (pr + 1) * nr), (pc * nc, (pc + 1) * nc)
+        rows, cols = _interval(mine_i, peer_j), _interval(mine_j, peer_i)
+        if rows and cols:  # the peer's output needs X[rows, cols] from my tile
+            sends.append((peer, rows, cols))
+        rows, cols = _interval(peer_i, mine_j), _interval(peer_j, mine_i)
+        if rows and cols:  # my output needs X[rows, cols] from the peer's tile
+            recvs.append((peer, rows, cols))
+    return sends, recvs
+
+
+def transpose_tiles_local(x: torch.Tensor, grid: ProcessGrid, op: str = "transpose_tiles") -> torch.Tensor:
+    """The move of :func:`transpose_tiles` on plain tensors (no autograd; for use inside
+    hand-written autograd Functions, or on masks)."""
+    if grid.ndim != 2 or x.dim() < 3:
+        raise ValueError(
+            f"transpose_tiles needs a 2-D grid and a tile [B, n_r, n_c, ...], got {tuple(x.shape)}"
+        )
+    nr, nc = x.shape[1], x.shape[2]
+    if nr * grid.rows != nc * grid.cols:
+        raise ValueError(
+            f"transpose_tiles: tile {tuple(x.shape)} on a {grid.rows}x{grid.cols} grid is not a tile "
+            f"of a square matrix ({nr * grid.rows} x {nc * grid.cols})"
+        )
+    sends, recvs = _transpose_moves(grid, nr, nc)
+    r, c = grid.coords
+    rest = tuple(x.shape[3:])
+    send_list = [
+        (p, x[:, i0 - r * nr : i1 - r * nr, j0 - c * nc : j1 - c * nc].contiguous())
+        for p, (i0, i1), (j0, j1) in sends
+    ]
+    recv_list = [(p, (x.shape[0], i1 - i0, j1 - j0) + rest) for p, (i0, i1), (j0, j1) in recvs]
+    got = P.exchange(send_list, recv_list, dtype=x.dtype, op=op)
+    out = x.new_empty(x.shape)
+    for (_, (i0, i1), (j0, j1)), piece in zip(recvs, got):
+        # X[i0:i1, j0:j1] (i in my column block J_c, j in my row block I_r) lands transposed
+        out[:, j0 - r * nr : j1 - r * nr, i0 - c * nc : i1 - c * nc] = piece.transpose(1, 2)
+    return out
+
+
+class _TransposeTiles(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
+        ctx.grid = grid
+        return transpose_tiles_local(x, grid)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return transpose_tiles_local(g.contiguous(), ctx.grid, op="transpose_tiles:backward"), None
+
+
+def transpose_tiles(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
+    """This rank's tile of ``X^T`` from its tile of ``X`` (dims 1 and 2 of ``x[B, n_r, n_c, ...]``
+    are the matrix dims; ``X`` is N x N with N = n_r * rows = n_c * cols), on ANY 2-D grid.
+
+    On a square grid this is ``grid_transpose`` plus the local transpose: one tile from the
+    mirrored rank. On a rectangular grid the tile of ``X^T`` at (r, c) is made of pieces of
+    several stored tiles (the row blocks I and column blocks J have different sizes): one
+    point-to-point exchange, one message per peer, each piece an intersection of blocks, so
+    every rank sends and receives exactly one tile's worth of elements. The result is the
+    same tile shape as ``x``. Backward: the same move (a transposition is its own inverse,
+    and the adjoint of a permutation of elements is its inverse)."""
+    return _TransposeTiles.apply(x, grid)

@@ -16,6 +16,11 @@ from twinshard.pair.layers.triangle import (
     CPTriangleMultiplicationIncoming,
     CPTriangleMultiplicationOutgoing,
 )
+from twinshard.pair.layers.triangle_attention import (
+    CPTriangleAttention,
+    CPTriangleAttentionEndingNode,
+    CPTriangleAttentionStartingNode,
+)
 
 __all__ = [
     "CPDropout",
@@ -23,6 +28,9 @@ __all__ = [
     "CPLinear",
     "CPOuterProductMean",
     "CPTransition",
+    "CPTriangleAttention",
+    "CPTriangleAttentionEndingNode",
+    "CPTriangleAttentionStartingNode",
     "CPTriangleMultiplication",
     "CPTriangleMultiplicationIncoming",
     "CPTriangleMultiplicationOutgoing",
