@@ -80,8 +80,41 @@ class Tiled:
 
 
 def _orient(t: torch.Tensor, trans: bool) -> torch.Tensor:
-    # Matrix dims are 1 and 2; a transpose is a view, the kernel's einsum reads it as is.
+    # Matrix dims are 1 and 2; a transpose is a view, the kernels read it as is (BLAS takes
+    # transposed operands by stride, no copy).
     return t.transpose(1, 2) if trans else t
+
+
+KERNELS = ("einsum", "bmm", "outer")
+
+
+def _product(
+    kernel: str, equation: str, xo: torch.Tensor, yo: torch.Tensor, acc: torch.Tensor | None, ct: torch.dtype
+) -> torch.Tensor:
+    """``acc += X' Y'`` for one block product on oriented tiles, accumulated in place in ``ct``.
+
+    - ``"bmm"``: channel-first tiles ``[B*ch, m, k]``, ``[B*ch, k, n]`` (the channels are the
+      batch of one contiguous batched matmul), result ``[B*ch, m, n]``;
+    - ``"outer"``: channel-last ``X'[B, m, k, c]``, ``Y'[B, k, n, d]``, an outer product in the
+      channels: ``[B, (m c), k] @ [B, k, (n d)]`` -> ``[B, m*c, n*d]`` (views of the stored
+      tiles, no copy);
+    - ``"einsum"``: ``equation`` on the oriented tiles (the readable general form).
+    Operands in a narrower wire dtype (bf16) are upcast to ``ct`` here, per product.
+    """
+    if xo.dtype != ct:
+        xo = xo.to(ct)
+    if yo.dtype != ct:
+        yo = yo.to(ct)
+    if kernel == "einsum":
+        part = torch.einsum(equation, xo, yo)
+        return part if acc is None else acc.add_(part)
+    if kernel == "outer":
+        b, m, k, c = xo.shape
+        xo = xo.permute(0, 1, 3, 2).reshape(b, m * c, k)
+        yo = yo.reshape(b, k, -1)
+    elif kernel != "bmm":
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    return torch.bmm(xo, yo) if acc is None else acc.baddbmm_(xo, yo)
 
 
 class _Fetch:
@@ -150,25 +183,45 @@ class _Fetch:
 
 
 def grid_matmul(
-    grid: ProcessGrid, x: Tiled, tx: bool, y: Tiled, ty: bool, equation: str, tag: str
+    grid: ProcessGrid,
+    x: Tiled,
+    tx: bool,
+    y: Tiled,
+    ty: bool,
+    equation: str,
+    tag: str,
+    kernel: str = "einsum",
+    ct: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Local tile of ``Z = op(X) op(Y)`` (see module docstring); ``equation`` is the einsum of
-    one block product on oriented tiles ``X'[b, m, k, ...]`` and ``Y'[b, k, n, ...]``."""
+    one block product on oriented tiles ``X'[b, m, k, ...]`` and ``Y'[b, k, n, ...]``,
+    ``kernel`` how it runs (:func:`_product`; the result is in that kernel's layout).
+    Tiles travel in their own dtype; products accumulate in ``ct`` (default: >= fp32)."""
     m = x.cols if tx else x.rows
     k = x.rows if tx else x.cols
     k2 = y.cols if ty else y.rows
     n = y.rows if ty else y.cols
     if k != k2:
         raise ValueError(f"contraction sizes differ: {k} vs {k2}")
+    if ct is None:
+        ct = torch.promote_types(torch.promote_types(x.tile.dtype, y.tile.dtype), torch.float32)
     if grid.size == 1:
-        return torch.einsum(equation, _orient(x.tile, tx), _orient(y.tile, ty))
+        return _product(kernel, equation, _orient(x.tile, tx), _orient(y.tile, ty), None, ct)
     if grid.rows == grid.cols:
-        return _cannon(grid, x, tx, y, ty, equation, tag)
-    return _summa(grid, x, tx, y, ty, equation, tag, m, k, n)
+        return _cannon(grid, x, tx, y, ty, equation, tag, kernel, ct)
+    return _summa(grid, x, tx, y, ty, equation, tag, m, k, n, kernel, ct)
 
 
 def _cannon(
-    grid: ProcessGrid, x: Tiled, tx: bool, y: Tiled, ty: bool, equation: str, tag: str
+    grid: ProcessGrid,
+    x: Tiled,
+    tx: bool,
+    y: Tiled,
+    ty: bool,
+    equation: str,
+    tag: str,
+    kernel: str = "einsum",
+    ct: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     q = grid.rows
     r, c = grid.coords
@@ -203,10 +256,10 @@ def _cannon(
                 op=f"{tag}:ring_shift",
                 async_op=True,
             )
-        part = torch.einsum(equation, _orient(xt, tx), _orient(yt, ty))
-        acc = part if acc is None else acc.add_(part)
+        acc = _product(kernel, equation, _orient(xt, tx), _orient(yt, ty), acc, ct)
         if pending is not None:
             xt, yt = pending.wait()
+    assert acc is not None  # q >= 1 steps ran
     return acc
 
 
@@ -228,6 +281,8 @@ def _summa(
     m: int,
     k: int,
     n: int,
+    kernel: str = "einsum",
+    ct: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     R, C = grid.rows, grid.cols
     # k is tiled by R (stored rows) or C (stored cols) in each operand; cut at every edge.
@@ -250,13 +305,50 @@ def _summa(
         xs, ys = fetch.wait()
         if i + 1 < len(segs):
             fetch = _Fetch(grid, [x, y], wants(segs[i + 1]), op=f"{tag}:summa_fetch")
-        part = torch.einsum(equation, _orient(xs, tx), _orient(ys, ty))
-        acc = part if acc is None else acc.add_(part)
+        acc = _product(kernel, equation, _orient(xs, tx), _orient(ys, ty), acc, ct)
+        del xs, ys  # the segment's tiles go before the next arrives
+    assert acc is not None  # at least one segment
     return acc
 
 
+def _stationary_product(
+    kernel: str,
+    equation: str,
+    which: str,
+    wt: torch.Tensor,
+    dz: torch.Tensor,
+    acc: torch.Tensor | None,
+    ct: torch.dtype,
+    nch: int,
+) -> torch.Tensor:
+    """One block of a stationary-dZ gradient, accumulated in place: ``W dZ^T`` (``which="x"``)
+    or ``W dZ`` (``"y"``) for an operand tile ``W[B, kb, n, ch]``. With ``kernel="outer"``,
+    ``dz`` is the matrix form ``[B, I*c, J*d]`` (laid out once per backward) and the result a
+    ``[B, kb, n, nch]`` view of one batched matmul; else ``dz`` is the ``[B, I, J, c, d]`` tile
+    and ``equation`` the einsum."""
+    if wt.dtype != ct:
+        wt = wt.to(ct)
+    if kernel == "outer":
+        wf = wt.reshape(wt.shape[0], wt.shape[1], -1)
+        rhs = dz.transpose(1, 2) if which == "x" else dz
+        if acc is None:
+            return torch.bmm(wf, rhs).view(wt.shape[0], wt.shape[1], -1, nch)
+        acc.view(acc.shape[0], acc.shape[1], -1).baddbmm_(wf, rhs)
+        return acc
+    part = torch.einsum(equation, wt, dz.transpose(1, 2) if which == "x" else dz)
+    return part if acc is None else acc.add_(part)
+
+
 def _cannon_stationary(
-    grid: ProcessGrid, dz: torch.Tensor, w: torch.Tensor, which: str, equation: str, tag: str
+    grid: ProcessGrid,
+    dz: torch.Tensor,
+    w: torch.Tensor,
+    which: str,
+    equation: str,
+    tag: str,
+    kernel: str = "einsum",
+    ct: torch.dtype = torch.float64,
+    nch: int = 0,
 ) -> torch.Tensor:
     """Gradient of ``Z = X^T Y`` (X, Y stored [K, N] like MSA tiles) with dZ kept in place.
 
@@ -283,12 +375,10 @@ def _cannon_stationary(
         w_to, w_from = grid.rank_of((r - 1, c)), grid.rank_of((r + 1, c))
         p_to, p_from = grid.rank_of((r, c - 1)), grid.rank_of((r, c + 1))
         deliver_to, deliver_from = grid.rank_of((r + c - 1, r)), grid.rank_of((c, r - c + 1))
-        zt = dz.transpose(1, 2)
     else:  # operand left along the row, partial up the column
         w_to, w_from = grid.rank_of((r, c - 1)), grid.rank_of((r, c + 1))
         p_to, p_from = grid.rank_of((r - 1, c)), grid.rank_of((r + 1, c))
         deliver_to, deliver_from = grid.rank_of((r + c - 1, c)), grid.rank_of((r - c + 1, c))
-        zt = dz
     acc = None
     for t in range(q):
         pending = None
@@ -300,8 +390,7 @@ def _cannon_stationary(
                 op=f"{tag}:ring_shift",
                 async_op=True,
             )
-        part = torch.einsum(equation, wt, zt)
-        acc = part if acc is None else acc.add_(part)
+        acc = _stationary_product(kernel, equation, which, wt, dz, acc, ct, nch)
         if pending is not None:
             (wt,) = pending.wait()
             (acc,) = P.exchange(
@@ -314,7 +403,15 @@ def _cannon_stationary(
 
 
 def _summa_stationary(
-    grid: ProcessGrid, dz: torch.Tensor, w: torch.Tensor, which: str, equation: str, tag: str
+    grid: ProcessGrid,
+    dz: torch.Tensor,
+    w: torch.Tensor,
+    which: str,
+    equation: str,
+    tag: str,
+    kernel: str = "einsum",
+    ct: torch.dtype = torch.float64,
+    nch: int = 0,
 ) -> torch.Tensor:
     """The rectangular-grid form of :func:`_cannon_stationary` (same contractions, dZ in place).
 
@@ -340,7 +437,7 @@ def _summa_stationary(
 
         (wk,) = _Fetch(grid, [Tiled(w, K, N)], [want], op=f"{tag}:summa_fetch").wait()
         if which == "x":  # partial dX[k, I_r]: to the owners (k, c') of the columns of I_r
-            part = torch.einsum(equation, wk, dz.transpose(1, 2))
+            part = _stationary_product(kernel, equation, which, wk, dz, None, ct, nch)
             sends = []
             for c2 in range(C):
                 hit = _inter(block_range(N, R, r), block_range(N, C, c2))
@@ -355,7 +452,7 @@ def _summa_stationary(
                         for c2 in range(C):
                             recvs.append((grid.rank_of((r2, c2)), hit))
         else:  # partial dY[k, J_c]: to the owner (k, c), summed over the grid column
-            part = torch.einsum(equation, wk, dz)
+            part = _stationary_product(kernel, equation, which, wk, dz, None, ct, nch)
             sends = [(grid.rank_of((k, c)), part)]
             recvs = [(grid.rank_of((r2, c)), mine_cols) for r2 in range(R)] if r == k else []
         if out is None:  # the gradient tile: X's (or Y's) stored tile with the partial's channels
@@ -382,6 +479,12 @@ class Contraction:
     partial gradients instead (:func:`_cannon_stationary`, :func:`_summa_stationary`); for
     ``Z`` with more channels than ``X`` and ``Y`` (the outer product mean's c_hidden^2),
     this moves operand-sized tiles only. Only for ``tx=True, ty=False``.
+    ``kernel``: how the block products run (the einsums stay the specification):
+    ``"bmm"`` for a per-channel product (``bmkd,bknd->bmnd``): the operands are laid out
+    channel-first once per call (``[B*d, rows, cols]``, contiguous) and every ring step is one
+    batched matmul accumulated in place; ``"outer"`` for the outer product in the channels
+    (``bmkc,bknd->bmncd``, with ``stationary_grad``): ``[B, (m c), k] @ [B, k, (n d)]`` on
+    views of the stored tiles; ``"einsum"``: the equations as written.
     """
 
     tx: bool
@@ -391,6 +494,24 @@ class Contraction:
     grad_y: str
     tag: str
     stationary_grad: bool = False
+    kernel: str = "einsum"
+
+
+def _channel_first(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, r, c, d]`` -> contiguous ``[B*d, r, c]`` in ``dtype`` (one fused copy and cast)."""
+    b, r, c, d = t.shape
+    out = torch.empty((b, d, r, c), dtype=dtype, device=t.device)
+    out.copy_(t.permute(0, 3, 1, 2))
+    return out.view(b * d, r, c)
+
+
+def _channel_last(t: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B*d, r, c]`` -> contiguous ``[B, r, c, d]`` in ``dtype`` (one fused copy and cast)."""
+    bd, r, c = t.shape
+    d = bd // batch
+    out = torch.empty((batch, r, c, d), dtype=dtype, device=t.device)
+    out.copy_(t.view(batch, d, r, c).permute(0, 2, 3, 1))
+    return out
 
 
 class _GridContract(torch.autograd.Function):
@@ -403,46 +524,98 @@ class _GridContract(torch.autograd.Function):
         spec: Contraction,
         xshape: tuple[int, int],
         yshape: tuple[int, int],
+        wire: torch.dtype,
+        out_dtype: torch.dtype,
     ) -> torch.Tensor:
+        ct = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
         ctx.grid, ctx.spec, ctx.xshape, ctx.yshape = grid, spec, xshape, yshape
-        ctx.save_for_backward(x, y)
-        return grid_matmul(
-            grid, Tiled(x, *xshape), spec.tx, Tiled(y, *yshape), spec.ty, spec.forward, spec.tag
+        ctx.ct, ctx.in_dtypes, ctx.batch = ct, (x.dtype, y.dtype), x.shape[0]
+        ctx.channels = (x.shape[-1], y.shape[-1])
+        if spec.kernel == "bmm":  # laid out once per call: channels as the batch of a bmm
+            xw, yw = _channel_first(x, wire), _channel_first(y, wire)
+        else:
+            xw, yw = x.to(wire).contiguous(), y.to(wire).contiguous()
+        ctx.save_for_backward(xw, yw)
+        z = grid_matmul(
+            grid,
+            Tiled(xw, *xshape),
+            spec.tx,
+            Tiled(yw, *yshape),
+            spec.ty,
+            spec.forward,
+            spec.tag,
+            spec.kernel,
+            ct,
         )
+        if spec.kernel == "bmm":
+            return _channel_last(z, x.shape[0], out_dtype)
+        if spec.kernel == "outer":  # [B, m*c, n*d] -> [B, m, n, c, d]
+            b, c, d = x.shape[0], x.shape[3], y.shape[3]
+            m, n = z.shape[1] // c, z.shape[2] // d  # output tile: tokens over rows x cols
+            out = torch.empty((b, m, n, c, d), dtype=out_dtype, device=z.device)
+            out.copy_(z.view(b, m, c, n, d).permute(0, 1, 3, 2, 4))
+            return out
+        return z.to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, gz: torch.Tensor):
         x, y = ctx.saved_tensors
-        grid, spec = ctx.grid, ctx.spec
+        grid, spec, ct = ctx.grid, ctx.spec, ctx.ct
         tx, ty = spec.tx, spec.ty
         X, Y = Tiled(x, *ctx.xshape), Tiled(y, *ctx.yshape)
         mz = ctx.xshape[1] if tx else ctx.xshape[0]
         nz = ctx.yshape[0] if ty else ctx.yshape[1]
-        Z = Tiled(gz.contiguous(), mz, nz)
         tag = f"{spec.tag}:backward"
         gx = gy = None
-        if spec.stationary_grad and grid.size > 1:
+        none = (None,) * 6
+        if spec.stationary_grad:
             if not (tx and not ty):
                 raise ValueError("stationary_grad is implemented for tx=True, ty=False only")
-            fn = _cannon_stationary if grid.rows == grid.cols else _summa_stationary
-            if ctx.needs_input_grad[0]:
-                gx = fn(grid, Z.tile, Y.tile, "x", spec.grad_x, tag)
-            if ctx.needs_input_grad[1]:
-                gy = fn(grid, Z.tile, X.tile, "y", spec.grad_y, tag)
-            return gx, gy, None, None, None, None
+            if spec.kernel == "outer":  # dZ[B, I, J, c, d] as the matrix [B, (I c), (J d)], once
+                b, i, j, c, d = gz.shape
+                dz = torch.empty((b, i, c, j, d), dtype=ct, device=gz.device)
+                dz.copy_(gz.permute(0, 1, 3, 2, 4))
+                dz = dz.view(b, i * c, j * d)
+            else:
+                dz = gz.contiguous()
+            if grid.size == 1:
+                fn = None
+            else:
+                fn = _cannon_stationary if grid.rows == grid.cols else _summa_stationary
+            for idx, (which, w, eq) in enumerate((("x", y, spec.grad_x), ("y", x, spec.grad_y))):
+                if not ctx.needs_input_grad[idx]:
+                    continue
+                nch = ctx.channels[idx]
+                if fn is None:
+                    g = _stationary_product(spec.kernel, eq, which, w, dz, None, ct, nch)
+                else:
+                    g = fn(grid, dz, w, which, eq, tag, spec.kernel, ct, nch)
+                g = g.to(ctx.in_dtypes[idx])
+                gx, gy = (g, gy) if idx == 0 else (gx, g)
+            return (gx, gy, *none)
+        if spec.kernel == "bmm":
+            gz = _channel_first(gz, gz.dtype)  # in its own dtype: the wire dtype when narrower
+        Z = Tiled(gz.contiguous(), mz, nz)
+
+        def back(t: torch.Tensor, idx: int) -> torch.Tensor:
+            if spec.kernel == "bmm":
+                return _channel_last(t, ctx.batch, ctx.in_dtypes[idx])
+            return t.to(ctx.in_dtypes[idx])
+
+        args = (tag, spec.kernel, ct)
         if ctx.needs_input_grad[0]:
             # dX' = dZ Y'^T; stored X = X' (tx False) or X'^T = Y' dZ^T (tx True).
             if not tx:
-                gx = grid_matmul(grid, Z, False, Y, not ty, spec.grad_x, tag)
+                gx = back(grid_matmul(grid, Z, False, Y, not ty, spec.grad_x, *args), 0)
             else:
-                gx = grid_matmul(grid, Y, ty, Z, True, spec.grad_x, tag)
+                gx = back(grid_matmul(grid, Y, ty, Z, True, spec.grad_x, *args), 0)
         if ctx.needs_input_grad[1]:
             # dY' = X'^T dZ; stored Y = Y' (ty False) or Y'^T = dZ^T X' (ty True).
             if not ty:
-                gy = grid_matmul(grid, X, not tx, Z, False, spec.grad_y, tag)
+                gy = back(grid_matmul(grid, X, not tx, Z, False, spec.grad_y, *args), 1)
             else:
-                gy = grid_matmul(grid, Z, True, X, tx, spec.grad_y, tag)
-        return gx, gy, None, None, None, None
+                gy = back(grid_matmul(grid, Z, True, X, tx, spec.grad_y, *args), 1)
+        return (gx, gy, *none)
 
 
 def grid_contract(
@@ -452,9 +625,18 @@ def grid_contract(
     spec: Contraction,
     xshape: tuple[int, int],
     yshape: tuple[int, int],
+    wire_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Differentiable local tile of ``op(X) op(Y)``; ``xshape``/``yshape`` are the global
-    (rows, cols) of the stored operands (padded, divisible by the grid)."""
+    (rows, cols) of the stored operands (padded, divisible by the grid).
+
+    ``wire_dtype`` (default: x's dtype): the dtype the operand tiles are stored, saved and sent
+    in; a caller passes a narrower one (bf16) only when x and y hold values exact in it (e.g.
+    bf16 activations upcast for the contraction), so the narrowing is exact. Products always
+    accumulate in ``promote_types(x.dtype, float32)``. ``out_dtype`` (default: that
+    accumulation dtype): the result is rounded once to it; its gradient then travels in it too.
+    """
     for name, t, (rows, cols) in (("X", x, xshape), ("Y", y, yshape)):
         if (
             rows % grid.rows
@@ -466,4 +648,12 @@ def grid_contract(
                 f"operand {name}: tile {tuple(t.shape)} does not tile a {rows} x "
                 f"{cols} matrix on a {grid.rows}x{grid.cols} grid"
             )
-    return _GridContract.apply(x.contiguous(), y.contiguous(), grid, spec, tuple(xshape), tuple(yshape))
+    if spec.kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {spec.kernel!r}")
+    if spec.kernel == "outer" and not spec.stationary_grad:
+        raise ValueError("the 'outer' kernel runs its backward with stationary_grad=True only")
+    ct = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+    wire = x.dtype if wire_dtype is None else wire_dtype
+    return _GridContract.apply(
+        x, y, grid, spec, tuple(xshape), tuple(yshape), wire, ct if out_dtype is None else out_dtype
+    )

@@ -55,6 +55,7 @@ OPM_SPEC = Contraction(
     grad_y="bmkc,bkncd->bmnd",  # dB[s, j, d] = sum_i A[s, i, c] dO[i, j, c, d]  (A^T^T, dO)
     tag="opm",
     stationary_grad=True,  # dO (c_hidden^2 channels) stays put on square grids
+    kernel="outer",  # one [B, (i c), s] @ [B, s, (j d)] batched matmul per block
 )
 _COUNT = "bmkc,bknd->bmncd"
 

@@ -47,8 +47,10 @@ __all__ = [
 
 _PER_CHANNEL = "bmkd,bknd->bmnd"  # one block product, channel by channel
 TRIMUL_SPECS = {
-    "outgoing": Contraction(False, True, _PER_CHANNEL, _PER_CHANNEL, _PER_CHANNEL, "trimul_out"),
-    "incoming": Contraction(True, False, _PER_CHANNEL, _PER_CHANNEL, _PER_CHANNEL, "trimul_in"),
+    "outgoing": Contraction(
+        False, True, _PER_CHANNEL, _PER_CHANNEL, _PER_CHANNEL, "trimul_out", kernel="bmm"
+    ),
+    "incoming": Contraction(True, False, _PER_CHANNEL, _PER_CHANNEL, _PER_CHANNEL, "trimul_in", kernel="bmm"),
 }
 
 
