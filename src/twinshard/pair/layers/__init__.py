@@ -5,6 +5,7 @@ in ``twinshard.pair.reference``, so a serial ``state_dict`` loads unchanged.
 Inputs and outputs are DTensors at the placements of ``twinshard.tensors.dtensor``.
 """
 
+from twinshard.pair.layers.attention import CPAttentionPairBias
 from twinshard.pair.layers.dropout import CPDropout
 from twinshard.pair.layers.linear import CPLinear
 from twinshard.pair.layers.norm import CPLayerNorm
@@ -23,6 +24,7 @@ from twinshard.pair.layers.triangle_attention import (
 )
 
 __all__ = [
+    "CPAttentionPairBias",
     "CPDropout",
     "CPLayerNorm",
     "CPLinear",
