@@ -5,6 +5,8 @@ What each test proves:
   every parameter gradient equal serial (fp64, round-off gate) on 1x1, 2x2, 3x3, 1x2, 2x3 grids,
   even and uneven N, with a random token mask (one sample fully masked where B = 2: the
   reference's no-mask-bias rule) and with ``mask=None`` on padded input; padding stays zero.
+- ``test_cp_attention_pair_bias_with_k_in``: keys and values from a separate ``k_in``; its
+  gradient equals serial too (2x3, 3x3, uneven N).
 - ``test_cp_attention_pair_bias_fp32``: the same in fp32 under a derived budget (``FP32_WHY``).
 - ``test_negative_controls_fail_parity``: planted from the test, a merge without the common
   row maximum (each rank shifts by its own maximum) and a replicated output gradient that is
@@ -81,6 +83,10 @@ def _inputs(b: int, n: int, dtype: torch.dtype):
     return s, z, mask
 
 
+def _k_in(b: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return synthetic(b, n, CS, seed=5, dtype=dtype)
+
+
 def _padding_is_zero(y) -> bool:
     keep = padding_keep(y, layout_of(y), "single")
     if keep is None:
@@ -139,14 +145,19 @@ def _rank_apb(grid, modes, b, n, dtype_name="float64", bug=None):
             z.requires_grad_(True)
             sd = shard_tensor(s, "single", grid, layout)
             zd = shard_tensor(z, "pair", grid, layout)
-            md = shard_tensor(mask, "single", grid, layout) if mode == "mask" else None
-            out = twin(sd, zd, md)
+            md = shard_tensor(mask, "single", grid, layout) if mode in ("mask", "k_in") else None
+            if mode == "k_in":  # keys from another single representation
+                kin = _k_in(b, n, dtype).requires_grad_(True)
+                out = twin(sd, zd, md, shard_tensor(kin, "single", grid, layout))
+            else:
+                out = twin(sd, zd, md)
             full = collect_tensor(out)
             full.backward(random_grad_output(full, seed=6))
             pad_zero[mode] = _padding_is_zero(out)
             results[mode] = TwinResult(
                 out=full.detach(),
-                grads_in={"s": collect_grad(s.grad, "single", grid), "z": collect_grad(z.grad, "pair", grid)},
+                grads_in={"s": collect_grad(s.grad, "single", grid), "z": collect_grad(z.grad, "pair", grid)}
+                | ({"k_in": collect_grad(kin.grad, "single", grid)} if mode == "k_in" else {}),
                 param_grads={k: p.grad for k, p in twin.named_parameters()},
                 # on one grid row the single track is replicated by contract: z is the evidence there
                 shards={"z": real_part(zd)}
@@ -167,9 +178,17 @@ def _check(grid, mode, b, n, ranks, dtype_name="float64"):
     dtype = _DTYPES[dtype_name]
     serial = _serial(dtype)
     s, z, mask = _inputs(b, n, dtype)
-    ref = serial_reference(
-        serial, lambda s, z: serial(s, z, mask if mode == "mask" else None), {"s": s, "z": z}, grad_seed=6
-    )
+    if mode == "k_in":
+        ref = serial_reference(
+            serial,
+            lambda s, z, k_in: serial(s, z, mask, k_in),
+            {"s": s, "z": z, "k_in": _k_in(b, n, dtype)},
+            6,
+        )
+    else:
+        ref = serial_reference(
+            serial, lambda s, z: serial(s, z, mask if mode == "mask" else None), {"s": s, "z": z}, grad_seed=6
+        )
     results = [r[0][mode] for r in ranks]
     serial_zero = ref["serial_param_grads"].pop(ANALYTIC_ZERO)
     twin_zero = [r.param_grads[ANALYTIC_ZERO] for r in results]
@@ -223,6 +242,13 @@ def test_cp_attention_pair_bias_matches_serial(grid, n, b):
         _check(grid, mode, b, n, ranks)
     for r, (_, pad_zero) in enumerate(ranks):
         assert all(pad_zero.values()), f"rank {r}: padding of the output is not zero: {pad_zero}"
+
+
+@pytest.mark.parametrize("grid,n", [((2, 3), 9), ((3, 3), 7)], ids=["2x3-N9", "3x3-N7"])
+def test_cp_attention_pair_bias_with_k_in(grid, n):
+    """Keys and values from a separate ``k_in`` (Boltz's keyword): its gradient comes back too."""
+    ranks = run_on_grid(_rank_apb, grid, ("k_in",), 2, n)
+    _check(grid, "k_in", 2, n, ranks)
 
 
 @pytest.mark.parametrize("grid,n", [((2, 3), 9), ((3, 3), 7)], ids=["2x3-N9", "3x3-N7"])
