@@ -1,0 +1,228 @@
+"""CP twins built from the ``boltz`` package's own modules (Boltz-2, boltz 2.2.1).
+
+``cp_twin_of(module)`` reads the configuration of a Boltz-2 module from its attributes and
+parameter shapes, builds the CP twin from ``twinshard.pair.layers`` with the same parameter names
+in the same order, and loads the module's ``state_dict`` unchanged (``strict=True``), in the
+module's dtype and on its device. Supported (``SUPPORTED``):
+
+======================================================  =========================================
+boltz                                                   twin
+======================================================  =========================================
+``layers.triangular_mult.TriangleMultiplicationOutgoing``  ``CPTriangleMultiplicationOutgoing``
+``layers.triangular_mult.TriangleMultiplicationIncoming``  ``CPTriangleMultiplicationIncoming``
+``layers.triangular_attention.attention.TriangleAttention{Starting,Ending}Node``
+                                                        ``CPTriangleAttention{Starting,Ending}Node``
+``layers.attentionv2.AttentionPairBias``                ``CPAttentionPairBias``
+``layers.transition.Transition``                        ``CPTransition``
+``layers.outer_product_mean.OuterProductMean``          ``CPOuterProductMean``
+``layers.pairformer.PairformerLayer`` (``v2=True``)     ``CPPairformerLayer``
+``layers.pairformer.PairformerModule`` (``v2=True``)    ``CPPairformerStack``
+======================================================  =========================================
+
+The twins' dropout follows Boltz's convention (``convention="boltz"``: row-wise masks
+``[B, N, 1, 1]``, column-wise ``[B, 1, N, 1]``), keyed by global index, so their masks are not
+Boltz's ``torch.rand`` draws but the same on every grid as in serial; Boltz's ``inf`` of the
+triangle attention and of the attention with pair bias is carried over.
+
+Not supported (a ``TypeError`` that says so): the version-1 ``AttentionPairBias`` (Boltz-1's
+Pairformer, ``v2=False``), ``AttentionPairBias(compute_pair_bias=False)``, the trifast/cuEquivariance
+kernels (a twin has its own kernels; the weights are the same), and any module not listed.
+
+``boltz`` is imported lazily inside the functions: importing twinshard never requires it, and a
+call without it raises an ``ImportError`` that says how to install it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["SUPPORTED", "boltz_modules", "cp_twin_of", "twin_config"]
+
+SUPPORTED = (
+    "TriangleMultiplicationOutgoing",
+    "TriangleMultiplicationIncoming",
+    "TriangleAttentionStartingNode",
+    "TriangleAttentionEndingNode",
+    "AttentionPairBias",
+    "Transition",
+    "OuterProductMean",
+    "PairformerLayer",
+    "PairformerModule",
+)
+
+
+def boltz_modules() -> dict[str, type]:
+    """The supported ``boltz`` classes by name (imports ``boltz``; a clear error without it)."""
+    try:
+        from boltz.model.layers import pairformer
+        from boltz.model.layers.attentionv2 import AttentionPairBias
+        from boltz.model.layers.outer_product_mean import OuterProductMean
+        from boltz.model.layers.transition import Transition
+        from boltz.model.layers.triangular_attention.attention import (
+            TriangleAttentionEndingNode,
+            TriangleAttentionStartingNode,
+        )
+        from boltz.model.layers.triangular_mult import (
+            TriangleMultiplicationIncoming,
+            TriangleMultiplicationOutgoing,
+        )
+    except ImportError as exc:
+        raise ImportError(
+            "twinshard.pair.interop.boltz needs the boltz package (Boltz-2, tested with boltz 2.2.1); "
+            "install it in its own environment as tests/interop/README.md shows "
+            f"(pip install --no-deps boltz==2.2.1 numpy<2 scipy einops): {exc}"
+        ) from exc
+    return {
+        "TriangleMultiplicationOutgoing": TriangleMultiplicationOutgoing,
+        "TriangleMultiplicationIncoming": TriangleMultiplicationIncoming,
+        "TriangleAttentionStartingNode": TriangleAttentionStartingNode,
+        "TriangleAttentionEndingNode": TriangleAttentionEndingNode,
+        "AttentionPairBias": AttentionPairBias,
+        "Transition": Transition,
+        "OuterProductMean": OuterProductMean,
+        "PairformerLayer": pairformer.PairformerLayer,
+        "PairformerModule": pairformer.PairformerModule,
+    }
+
+
+def _kind(module: nn.Module) -> str:
+    classes = boltz_modules()
+    for name, cls in classes.items():
+        if type(module) is cls:
+            return name
+    v1 = None
+    try:
+        from boltz.model.layers.attention import AttentionPairBias as v1
+    except ImportError:  # pragma: no cover - an older or trimmed boltz
+        pass
+    if v1 is not None and type(module) is v1:
+        raise TypeError(
+            "boltz.model.layers.attention.AttentionPairBias is Boltz-1's (v1) attention: only the "
+            "version-2 AttentionPairBias (boltz.model.layers.attentionv2) has a CP twin"
+        )
+    raise TypeError(
+        f"no CP twin for {type(module).__module__}.{type(module).__qualname__}; supported boltz modules: "
+        + ", ".join(SUPPORTED)
+    )
+
+
+def _width(norm: nn.Module) -> int:
+    return int(norm.normalized_shape[0])
+
+
+def _layer_config(layer: nn.Module) -> dict[str, Any]:
+    classes = boltz_modules()
+    if type(layer.attention) is not classes["AttentionPairBias"]:
+        raise TypeError(
+            "a boltz PairformerLayer built with v2=False (Boltz-1's attention) has no CP twin: "
+            "build it with v2=True"
+        )
+    _check_pair_bias(layer.attention)
+    start = layer.tri_att_start
+    return {
+        "token_s": _width(layer.pre_norm_s),
+        "token_z": int(layer.token_z),
+        "num_heads": int(layer.num_heads),
+        "dropout": float(layer.dropout),
+        "pairwise_head_width": int(start.c_hidden),
+        "pairwise_num_heads": int(start.no_heads),
+        "post_layer_norm": bool(layer.post_layer_norm),
+    }
+
+
+def _check_pair_bias(att: nn.Module) -> None:
+    if not getattr(att, "compute_pair_bias", True):
+        raise TypeError(
+            "boltz AttentionPairBias(compute_pair_bias=False) takes a precomputed bias; its CP twin "
+            "computes the bias from z (compute_pair_bias=True)"
+        )
+
+
+def twin_config(module: nn.Module) -> tuple[str, dict[str, Any]]:
+    """``(boltz class name, keyword arguments of the twin's constructor)`` for a boltz module."""
+    kind = _kind(module)
+    if kind.startswith("TriangleMultiplication"):
+        return kind, {"dim": _width(module.norm_in)}
+    if kind.startswith("TriangleAttention"):
+        return kind, {
+            "c_in": int(module.c_in),
+            "c_hidden": int(module.c_hidden),
+            "no_heads": int(module.no_heads),
+            "inf": float(module.inf),
+        }
+    if kind == "AttentionPairBias":
+        _check_pair_bias(module)
+        c_z = _width(module.proj_z[0])
+        return kind, {
+            "c_s": int(module.c_s),
+            "c_z": c_z,
+            "num_heads": int(module.num_heads),
+            "inf": float(module.inf),
+        }
+    if kind == "Transition":
+        return kind, {
+            "dim": _width(module.norm),
+            "hidden": int(module.fc1.out_features),
+            "out_dim": int(module.fc3.out_features),
+        }
+    if kind == "OuterProductMean":
+        return kind, {
+            "c_in": _width(module.norm),
+            "c_hidden": int(module.c_hidden),
+            "c_out": int(module.proj_o.out_features),
+        }
+    if kind == "PairformerLayer":
+        return kind, _layer_config(module)
+    # PairformerModule
+    if len(module.layers) == 0:
+        raise TypeError("a boltz PairformerModule with no layers has nothing to twin")
+    cfg = _layer_config(module.layers[0])
+    for i, layer in enumerate(module.layers):
+        if _layer_config(layer) != cfg:
+            raise TypeError(f"boltz PairformerModule layer {i} differs in configuration from layer 0")
+    cfg.update(num_blocks=len(module.layers), activation_checkpointing=bool(module.activation_checkpointing))
+    return kind, cfg
+
+
+def _twin_class(kind: str) -> type:
+    from twinshard.pair import layers as L
+
+    if kind in ("PairformerLayer", "PairformerModule"):
+        try:
+            from twinshard.pair.layers.pairformer import CPPairformerLayer, CPPairformerStack
+        except ImportError as exc:  # pragma: no cover - until the CP Pairformer lands
+            raise ImportError(
+                f"the CP Pairformer (twinshard.pair.layers.pairformer) is not available: {exc}"
+            ) from exc
+        return CPPairformerLayer if kind == "PairformerLayer" else CPPairformerStack
+    return {
+        "TriangleMultiplicationOutgoing": L.CPTriangleMultiplicationOutgoing,
+        "TriangleMultiplicationIncoming": L.CPTriangleMultiplicationIncoming,
+        "TriangleAttentionStartingNode": L.CPTriangleAttentionStartingNode,
+        "TriangleAttentionEndingNode": L.CPTriangleAttentionEndingNode,
+        "AttentionPairBias": L.CPAttentionPairBias,
+        "Transition": L.CPTransition,
+        "OuterProductMean": L.CPOuterProductMean,
+    }[kind]
+
+
+def cp_twin_of(module: nn.Module, convention: str = "boltz") -> nn.Module:
+    """The CP twin of a boltz module with its ``state_dict`` loaded unchanged (strict), in the
+    module's dtype, on its device, in its training mode. ``convention`` picks the twin's dropout
+    masks (Pairformer layer and stack only; Boltz's own by default)."""
+    kind, cfg = twin_config(module)
+    if kind in ("PairformerLayer", "PairformerModule"):
+        cfg["convention"] = convention
+    twin = _twin_class(kind)(**cfg)
+    ref = next(iter(module.parameters()), None)
+    if ref is not None:
+        twin = twin.to(device=ref.device, dtype=ref.dtype)
+    twin.load_state_dict(module.state_dict(), strict=True)
+    ours = [n for n, _ in twin.named_parameters()]
+    theirs = [n for n, _ in module.named_parameters()]
+    if ours != theirs:  # the rule of every twin: same names, same order
+        raise RuntimeError(f"{type(twin).__name__} registers parameters {ours}, boltz {theirs}")
+    twin.train(module.training)
+    return twin
