@@ -135,14 +135,21 @@ def case_inputs(part: str, b: int, n: int) -> tuple[dict[str, tuple[torch.Tensor
         return {"z": z}, {"mask": (pair_mask_with_diagonal(b, n, seed=6), "pair")}
     if part == "attn-pair-bias":
         s, kin = synthetic(b, n, CS, seed=11), synthetic(b, n, CS, seed=12)
-        return {"s": (s, "single"), "z": z, "k_in": (kin, "single")}, {"mask": (random_mask(b, n, seed=14), "single")}
+        return {"s": (s, "single"), "z": z, "k_in": (kin, "single")}, {
+            "mask": (random_mask(b, n, seed=14), "single")
+        }
     if part == "opm":
-        return {"m": (synthetic(b, S, n, CZ, seed=18), "msa")}, {"mask": (random_mask(b, S, n, seed=19), "msa")}
+        return {"m": (synthetic(b, S, n, CZ, seed=18), "msa")}, {
+            "mask": (random_mask(b, S, n, seed=19), "msa")
+        }
     if part == "transition":
         return {"z": z}, {}
     # the Pairformer layer and stack
     s = (synthetic(b, n, CS, seed=25), "single")
-    masks = {"mask": (random_mask(b, n, seed=27), "single"), "pair_mask": (pair_mask_with_diagonal(b, n, 28), "pair")}
+    masks = {
+        "mask": (random_mask(b, n, seed=27), "single"),
+        "pair_mask": (pair_mask_with_diagonal(b, n, 28), "pair"),
+    }
     return {"s": s, "z": z}, masks
 
 
@@ -224,7 +231,10 @@ def check_part(part, grid, b, n, results, run_boltz, what=None):
     )
     serial_zero = {k: ref["serial_param_grads"].pop(k) for k in zero}
     twin_zero = {k: [r.param_grads[k] for r in results] for k in zero}
-    results = [dataclasses.replace(r, param_grads={k: v for k, v in r.param_grads.items() if k not in zero}) for r in results]
+    results = [
+        dataclasses.replace(r, param_grads={k: v for k, v in r.param_grads.items() if k not in zero})
+        for r in results
+    ]
     evidence = check_twin(what=what, grid=grid_id(grid), ranks=results, **ref)
     eps = torch.finfo(F64).eps
     k0 = 2 * eps + 16 * 4096**0.5 * eps  # the harness's round-off factor (n = 4096)
@@ -233,12 +243,18 @@ def check_part(part, grid, b, n, results, run_boltz, what=None):
         assert_replicated(twin_zero[name], f"{what}: param grad {name}")
         for side, g in (("distributed", twin_zero[name][0]), ("boltz", serial_zero[name])):
             assert_parity(
-                g, torch.zeros_like(g), what=f"{what} {side} grad {name}", grid=grid_id(grid), rtol=0.0, atol=k0 * scale, why=why0
+                g,
+                torch.zeros_like(g),
+                what=f"{what} {side} grad {name}",
+                grid=grid_id(grid),
+                rtol=0.0,
+                atol=k0 * scale,
+                why=why0,
             )
     return evidence
 
 
-def _boltz_runner(boltz_fp64):
+def _boltz_runner(boltz_fp64):  # noqa: F811
     def run(part, module, leaves, masks):
         with boltz_fp64():
             return call(part, module, leaves, masks)
@@ -247,7 +263,7 @@ def _boltz_runner(boltz_fp64):
 
 
 @pytest.mark.parametrize("grid,n,b", GRIDS, ids=[f"{grid_id(g)}-N{n}" for g, n, _ in GRIDS])
-def test_parts_vs_boltz(grid, n, b, boltz_fp64):
+def test_parts_vs_boltz(grid, n, b, boltz_fp64):  # noqa: F811
     ranks = run_on_grid(_rank_parts, grid, PARTS, b, n)
     run = _boltz_runner(boltz_fp64)
     for part in PARTS:
