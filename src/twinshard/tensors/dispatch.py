@@ -1,0 +1,551 @@
+"""The op-dispatch registry of ShardTensor and the shipped handlers.
+
+``ShardTensor.__torch_function__`` asks :data:`REGISTRY` for the first handler
+whose predicate matches a call; it runs instead of the op, else the default
+path runs (and raises for an unhandled op over the atom dimension, see
+:mod:`twinshard.tensors.shard_tensor`). Users register their own with
+:func:`register` (first by default); :meth:`Registry.disabled` switches handlers
+off inside a ``with`` block (negative controls).
+
+Shipped handlers, in match order (each is built from differentiable pieces —
+``to_local``/``from_local``, the halo plan's forward/reverse exchanges, the comm
+all_to_all — so its backward is the exact adjoint, tested with ``adjoint_pair``):
+
+``halo_refresh``
+    a gather along dim 0 (``index_select``, ``x[idx]``, ``gather``) from a
+    halo-padded ShardTensor: a STALE one is refreshed first (forward exchange of
+    the owned rows into the halo; backward: halo gradients summed onto their
+    owners), a PARTIAL one is corrected first; then the local gather. The
+    refreshed tensor is cached on the stale one until it is modified in place.
+``halo_correction``
+    ``index_add(_)`` / ``scatter_add(_)`` along dim 0 into a halo-padded
+    ShardTensor: the contributions are scattered locally, the halo rows' partial
+    sums go to their owners (reverse exchange) and the owners' totals come back
+    into the halo (forward exchange), so the result keeps the target's state.
+``per_system_reduce``
+    ``index_add(_)`` / ``scatter_add(_)`` from a per-atom ShardTensor source into
+    a buffer that is not per-atom (``(n_systems, F)``, plain or PerSystem): halo
+    rows are dropped (each atom counts once), the scatter runs locally, then one
+    all-reduce (Partial -> Replicate; backward: the identity, a replicated
+    gradient counted once).
+``global_reduce``
+    ``sum`` (all dims, or dim 0), ``any``, ``all``, ``amax``, ``amin`` (all dims)
+    of a per-atom ShardTensor: halo rows dropped, reduced locally, all-reduced
+    (sum: differentiable as above; the others are not).
+``sharded_gather`` / ``sharded_scatter``
+    storage without halo (``Owned(counts)``: indices are global row ids):
+    ``index_select``/``x[idx]`` fetches rows other ranks own with an uneven
+    all-to-all (ids out, rows back; backward: the reverse all-to-all and a local
+    index_add); ``index_add(_)``/``scatter_add(_)`` ships contributions to the
+    owners' rows. ``PAD`` (-1) ids gather zero rows and scatter nothing.
+``replicated_grads``
+    ``torch.autograd.grad`` with ShardTensor inputs beside plain ones (a strain
+    or displacement every rank applies, as MACE's stress): the plain inputs are
+    replicated, so their gradients are per-rank partial sums and are all-reduced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from twinshard.comm import ops
+from twinshard.comm import primitives as prim
+from twinshard.tensors.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec
+from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
+
+__all__ = [
+    "REGISTRY",
+    "Handler",
+    "IndexCall",
+    "Registry",
+    "fresh",
+    "parse_index_call",
+    "partial_to_replicate",
+    "register",
+]
+
+
+@dataclass
+class Handler:
+    """A named ``predicate(func, args, kwargs) -> bool`` and the ``run(func, args, kwargs)`` that
+    replaces the op when it matches."""
+
+    name: str
+    predicate: Callable[[Any, tuple, dict], bool]
+    run: Callable[[Any, tuple, dict], Any]
+    doc: str = ""
+
+
+class Registry:
+    """Ordered handlers; the first enabled one whose predicate matches runs."""
+
+    def __init__(self) -> None:
+        self._handlers: list[Handler] = []
+        self._off: set[str] = set()
+
+    def register(self, handler: Handler, first: bool = True) -> Handler:
+        self.unregister(handler.name)
+        if first:
+            self._handlers.insert(0, handler)
+        else:
+            self._handlers.append(handler)
+        return handler
+
+    def unregister(self, name: str) -> Handler | None:
+        for i, h in enumerate(self._handlers):
+            if h.name == name:
+                return self._handlers.pop(i)
+        return None
+
+    def names(self) -> list[str]:
+        return [h.name for h in self._handlers]
+
+    def match(self, func: Any, args: tuple, kwargs: dict) -> Handler | None:
+        for h in self._handlers:
+            if h.name not in self._off and h.predicate(func, args, kwargs):
+                return h
+        return None
+
+    @contextlib.contextmanager
+    def disabled(self, *names: str) -> Iterator[None]:
+        """Switch handlers off inside the block (unknown names raise)."""
+        unknown = set(names) - set(self.names())
+        if unknown:
+            raise KeyError(f"no handlers named {sorted(unknown)}; registered: {self.names()}")
+        before = set(self._off)
+        self._off |= set(names)
+        try:
+            yield
+        finally:
+            self._off = before
+
+    @contextlib.contextmanager
+    def installed(self, handler: Handler, first: bool = True) -> Iterator[Handler]:
+        """Register ``handler`` inside the block only (a previous one of that name comes back)."""
+        prev_index = self.names().index(handler.name) if handler.name in self.names() else None
+        prev = self.unregister(handler.name)
+        self.register(handler, first)
+        try:
+            yield handler
+        finally:
+            self.unregister(handler.name)
+            if prev is not None:
+                self._handlers.insert(prev_index, prev)
+
+
+REGISTRY = Registry()
+
+
+def register(
+    name: str,
+    predicate: Callable[[Any, tuple, dict], bool],
+    run: Callable[[Any, tuple, dict], Any],
+    first: bool = True,
+    doc: str = "",
+) -> Handler:
+    """Add a handler to :data:`REGISTRY` (before the shipped ones unless ``first=False``)."""
+    return REGISTRY.register(Handler(name, predicate, run, doc), first)
+
+
+# ---------------------------------------------------------------------- parsing index calls
+_GATHERS = {"index_select", "__getitem__", "gather"}
+_SCATTERS = {"index_add", "index_add_", "scatter_add", "scatter_add_"}
+
+
+@dataclass
+class IndexCall:
+    """A gather or scatter along one dim, normalised from its torch-function call."""
+
+    name: str
+    target: Any  # the indexed tensor (gather source / scatter destination)
+    dim: int
+    index: Any
+    source: Any = None
+    alpha: Any = 1
+    rest: tuple = ()  # __getitem__: the key after the first (tensor) index
+
+    @property
+    def scatter(self) -> bool:
+        return self.name in _SCATTERS
+
+    @property
+    def inplace(self) -> bool:
+        return self.name.endswith("_") and not self.name.startswith("__")
+
+
+def parse_index_call(func: Any, args: tuple, kwargs: dict) -> IndexCall | None:
+    name = getattr(func, "__name__", "")
+    if name not in _GATHERS and name not in _SCATTERS or not args:
+        return None
+    t = args[0]
+    if not isinstance(t, torch.Tensor):
+        return None
+    if name == "__getitem__":
+        key = args[1]
+        rest: tuple = ()
+        if isinstance(key, tuple) and key and isinstance(key[0], torch.Tensor):
+            key, rest = key[0], tuple(key[1:])
+        if not isinstance(key, torch.Tensor) or key.dtype not in (torch.int64, torch.int32):
+            return None
+        return IndexCall(name, t, 0, key, rest=rest)
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    index = kwargs.get("index", args[2] if len(args) > 2 else None)
+    if not isinstance(dim, int) or not isinstance(index, torch.Tensor):
+        return None
+    dim = dim % max(t.dim(), 1)
+    if name in _SCATTERS:
+        src = kwargs.get("source", kwargs.get("src", args[3] if len(args) > 3 else None))
+        return IndexCall(name, t, dim, index, src, kwargs.get("alpha", 1))
+    return IndexCall(name, t, dim, index)
+
+
+def _is(x: Any, placement: type) -> bool:
+    return isinstance(x, ShardTensor) and isinstance(x._spec.placement, placement)
+
+
+def _plain(x: Any) -> Any:
+    """The local rows of an index (not differentiable: integer)."""
+    return x._local if isinstance(x, ShardTensor) else x
+
+
+def _index_pred(kind: str, placement: type | None) -> Callable[[Any, tuple, dict], bool]:
+    def pred(func: Any, args: tuple, kwargs: dict) -> bool:
+        c = parse_index_call(func, args, kwargs)
+        if c is None or c.dim != 0 or c.scatter != (kind == "scatter"):
+            return False
+        return placement is None or _is(c.target, placement)
+
+    return pred
+
+
+def _local_gather(c: IndexCall, local: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if c.name == "index_select":
+        return local.index_select(0, index)
+    if c.name == "gather":
+        return local.gather(0, index)
+    out = local[index]
+    return out[(slice(None),) * index.dim() + c.rest] if c.rest else out
+
+
+def _wrap_like_index(out: torch.Tensor, index: Any) -> torch.Tensor:
+    """A gather with a per-atom index has the index's rows (``table[numbers]``-like)."""
+    if (
+        isinstance(index, ShardTensor)
+        and index._spec.per_atom
+        and out.dim()
+        and out.shape[0] == index.shape[0]
+    ):
+        return from_local(out, index._spec)
+    return out
+
+
+# ---------------------------------------------------------------------- halo refresh / correction
+def fresh(x: ShardTensor) -> ShardTensor:
+    """``x`` with fresh halo rows (differentiable): a STALE tensor's halo is overwritten by its
+    owners' rows (forward exchange), a PARTIAL one's halo partial sums go to the owners first."""
+    if x.state == HaloState.FRESH:
+        return x
+    cached = getattr(x, "_fresh_cache", None)
+    if cached is not None and cached[0] == x._version:
+        return cached[1]
+    plan = x.plan
+    local = to_local(x)
+    n = plan.n_owned
+    own = local[:n]
+    if x.state == HaloState.PARTIAL:
+        own = own + plan.reverse(local[n:])
+    out = from_local(torch.cat([own, plan.forward(own)]), x._spec.with_state(HaloState.FRESH))
+    x._fresh_cache = (x._version, out)
+    return out
+
+
+def _run_refresh(func: Any, args: tuple, kwargs: dict) -> Any:
+    c = parse_index_call(func, args, kwargs)
+    assert c is not None
+    x = fresh(c.target)
+    return _wrap_like_index(_local_gather(c, to_local(x), _plain(c.index)), c.index)
+
+
+def _local_scatter(c: IndexCall, zeros: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    if c.name.startswith("index_add"):
+        return zeros.index_add(0, index, src, alpha=c.alpha)
+    return zeros.scatter_add(0, index, src)
+
+
+def _run_correction(func: Any, args: tuple, kwargs: dict) -> Any:
+    c = parse_index_call(func, args, kwargs)
+    assert c is not None
+    base: ShardTensor = c.target
+    plan = base.plan
+    local = to_local(base)
+    contrib = _local_scatter(c, torch.zeros_like(local), _plain(c.index), to_local(c.source))
+    n = plan.n_owned
+    own = contrib[:n] + plan.reverse(contrib[n:])  # halo partial sums onto their owners
+    full = from_local(torch.cat([own, plan.forward(own)]), base._spec.with_state(HaloState.FRESH))
+    if c.inplace:
+        return base.add_(full)
+    return base + full
+
+
+# ---------------------------------------------------------------------- per-system / global reduce
+class _PartialToReplicate(torch.autograd.Function):
+    """Forward: sum of per-rank partials (all-reduce). Backward: the identity (the replicated
+    gradient, counted once, is every partial's gradient); its own backward all-reduces again."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return prim.all_reduce(x, group, op="per_system_reduce")
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _ReplicateToPartial.apply(g, ctx.group), None
+
+
+class _ReplicateToPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _PartialToReplicate.apply(g.contiguous(), ctx.group), None
+
+
+def partial_to_replicate(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """All-reduce of per-rank partial sums into a replicated value; backward: identity."""
+    return _PartialToReplicate.apply(x.contiguous(), group)
+
+
+def _owned_rows(x: Any) -> Any:
+    """The local rows that count once: halo rows dropped (differentiable for a ShardTensor)."""
+    if isinstance(x, ShardTensor):
+        loc = to_local(x)
+        return loc[: x.plan.n_owned] if x._spec.halo else loc
+    return x
+
+
+def _reduce_pred(func: Any, args: tuple, kwargs: dict) -> bool:
+    c = parse_index_call(func, args, kwargs)
+    if c is None or not c.scatter or c.dim != 0:
+        return False
+    tgt_per_atom = isinstance(c.target, ShardTensor) and c.target._spec.per_atom
+    return not tgt_per_atom and isinstance(c.source, ShardTensor) and c.source._spec.per_atom
+
+
+def _run_reduce(func: Any, args: tuple, kwargs: dict) -> Any:
+    c = parse_index_call(func, args, kwargs)
+    assert c is not None
+    src: ShardTensor = c.source
+    n = src.plan.n_owned if src._spec.halo else src.shape[0]
+    index = _plain(c.index)[:n]
+    partial = _local_scatter(
+        c, torch.zeros(c.target.shape, dtype=src.dtype, device=src.device), index, _owned_rows(src)
+    )
+    total = partial_to_replicate(partial, src.group).to(c.target.dtype)
+    if c.inplace:
+        return c.target.add_(total)
+    return c.target + total
+
+
+_GLOBAL = {
+    "sum": None,
+    "any": dist.ReduceOp.MAX,
+    "all": dist.ReduceOp.MIN,
+    "amax": dist.ReduceOp.MAX,
+    "amin": dist.ReduceOp.MIN,
+}
+
+
+def _global_args(func: Any, args: tuple, kwargs: dict) -> tuple[ShardTensor, Any] | None:
+    name = getattr(func, "__name__", "")
+    if name not in _GLOBAL or not args or not (isinstance(args[0], ShardTensor) and args[0]._spec.per_atom):
+        return None
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if dim is None or (name == "sum" and isinstance(dim, int) and dim % args[0].dim() == 0):
+        if kwargs.get("keepdim", False) or (len(args) > 2 and args[2] is True):
+            return None
+        return args[0], dim
+    return None
+
+
+def _run_global(func: Any, args: tuple, kwargs: dict) -> Any:
+    x, dim = _global_args(func, args, kwargs)  # type: ignore[misc]
+    name = func.__name__
+    rows = _owned_rows(x)
+    if name == "sum":
+        part = rows.sum() if dim is None else rows.sum(0)
+        return partial_to_replicate(part, x.group)
+    if x.requires_grad and torch.is_grad_enabled() and name in ("amax", "amin"):
+        raise NotImplementedError(f"{name} over atoms of a ShardTensor is not differentiable here")
+    r = rows.detach()
+    if name in ("any", "all"):
+        v = (r.any() if name == "any" else r.all()).to(torch.int64).reshape(1)
+    else:
+        if r.numel() == 0:
+            raise ValueError(f"{name} over atoms: this rank holds no rows (use a masked sum instead)")
+        v = (r.amax() if name == "amax" else r.amin()).reshape(1)
+    if prim.group_size(x.group) > 1:
+        v = v.contiguous().clone()
+        dist.all_reduce(v, op=_GLOBAL[name], group=x.group)
+    v = v[0]
+    return v.to(torch.bool) if name in ("any", "all") else v
+
+
+# ---------------------------------------------------------------------- sharded storage (no halo)
+def _layout(x: ShardTensor) -> tuple[list[int], int, int]:
+    pl: Owned = x._spec.placement  # type: ignore[assignment]
+    offsets = pl.offsets
+    me = prim.group_rank(x.group)
+    if int(x._local.shape[0]) != int(pl.counts[me]):  # type: ignore[index]
+        raise ValueError(f"sharded storage: rank {me} holds {x._local.shape[0]} rows, counts say {pl.counts}")
+    return offsets, me, len(pl.counts)  # type: ignore[arg-type]
+
+
+def _owners(ids: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    total = offsets[-1]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= total):
+        bad = ids[(ids < 0) | (ids >= total)][:5].tolist()
+        raise IndexError(f"sharded storage: global row ids {bad} out of range [0, {total}) (PAD is {PAD})")
+    bounds = torch.tensor(offsets[1:], dtype=ids.dtype, device=ids.device)
+    return torch.searchsorted(bounds, ids, right=True)
+
+
+def _counts_a2a(send: torch.Tensor, group: Any, nranks: int) -> torch.Tensor:
+    return prim.all_to_all(send, [1] * nranks, [1] * nranks, group, op="sharded_storage")
+
+
+def _sharded_pred(kind: str) -> Callable[[Any, tuple, dict], bool]:
+    base = _index_pred(kind, Owned)
+
+    def pred(func: Any, args: tuple, kwargs: dict) -> bool:
+        if not base(func, args, kwargs):
+            return False
+        c = parse_index_call(func, args, kwargs)
+        return c is not None and c.target._spec.placement.counts is not None
+
+    return pred
+
+
+def _run_sharded_gather(func: Any, args: tuple, kwargs: dict) -> Any:
+    c = parse_index_call(func, args, kwargs)
+    assert c is not None and c.name != "gather", "sharded storage gathers with index_select or x[ids]"
+    x: ShardTensor = c.target
+    offsets, me, nranks = _layout(x)
+    gidx = _plain(c.index)
+    flat = gidx.reshape(-1).to(torch.int64)
+    valid = flat != PAD
+    uniq, inverse = torch.unique(flat[valid], sorted=True, return_inverse=True)
+    owner = _owners(uniq, offsets)
+    dev = x._local.device
+    send = torch.bincount(owner, minlength=nranks).to(torch.int64).to(dev)
+    recv = _counts_a2a(send, x.group, nranks)
+    s, r = send.tolist(), recv.tolist()
+    wanted = prim.all_to_all(uniq.to(dev), s, r, x.group, op="sharded_gather")  # ids others need
+    rows = to_local(x).index_select(0, wanted - offsets[me])
+    got = ops.all_to_all(rows, r, s, x.group) if nranks > 1 else rows  # rows back, in uniq order
+    padded = torch.cat([got, got.new_zeros((1,) + tuple(got.shape[1:]))])
+    pos = torch.full((flat.numel(),), uniq.numel(), dtype=torch.int64, device=dev)
+    pos[valid] = inverse
+    out = padded.index_select(0, pos).reshape(tuple(gidx.shape) + tuple(got.shape[1:]))
+    if c.rest:
+        out = out[(slice(None),) * gidx.dim() + c.rest]
+    return out
+
+
+def _run_sharded_scatter(func: Any, args: tuple, kwargs: dict) -> Any:
+    c = parse_index_call(func, args, kwargs)
+    assert c is not None
+    x: ShardTensor = c.target
+    offsets, me, nranks = _layout(x)
+    index = _plain(c.index)
+    src = to_local(c.source)
+    if index.dim() > 1:  # scatter_add with an index expanded along the feature dims
+        if not bool((index == index[(slice(None),) + (slice(0, 1),) * (index.dim() - 1)]).all()):
+            raise NotImplementedError(
+                "sharded scatter_add: the index must be constant along the feature dims"
+            )
+        index = index.reshape(index.shape[0], -1)[:, 0]
+    index = index.to(torch.int64)
+    keep = torch.nonzero(index != PAD).flatten()
+    ids = index[keep]
+    owner = _owners(ids, offsets)
+    order = torch.sort(owner, stable=True).indices
+    dev = x._local.device
+    send = torch.bincount(owner, minlength=nranks).to(torch.int64).to(dev)
+    recv = _counts_a2a(send, x.group, nranks)
+    s, r = send.tolist(), recv.tolist()
+    ids_in = prim.all_to_all(ids[order].to(dev), s, r, x.group, op="sharded_scatter")
+    vals = src.index_select(0, keep[order])
+    if c.alpha != 1:
+        vals = vals * c.alpha
+    vals_in = ops.all_to_all(vals, s, r, x.group) if nranks > 1 else vals
+    local = to_local(x)
+    contrib = torch.zeros_like(local).index_add(0, ids_in - offsets[me], vals_in.to(local.dtype))
+    full = from_local(contrib, x._spec)
+    if c.inplace:
+        return x.add_(full)
+    return x + full
+
+
+# ---------------------------------------------------------------------- gradients of replicated inputs
+def _grads_pred(func: Any, args: tuple, kwargs: dict) -> bool:
+    if func is not torch.autograd.grad:
+        return False
+    inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    return any(isinstance(t, ShardTensor) for t in inputs) and any(
+        not isinstance(t, ShardTensor) for t in inputs
+    )
+
+
+def _run_grads(func: Any, args: tuple, kwargs: dict) -> Any:
+    inputs = args[1] if len(args) > 1 else kwargs["inputs"]
+    single = isinstance(inputs, torch.Tensor)
+    inputs = (inputs,) if single else tuple(inputs)
+    group = next(t.group for t in inputs if isinstance(t, ShardTensor))
+    with torch._C.DisableTorchFunctionSubclass():
+        grads = func(*args, **kwargs)
+    out = []
+    for t, g in zip(inputs, grads):
+        if not isinstance(t, ShardTensor):
+            # a plain (replicated) input: each rank holds its atoms' part of the gradient; every
+            # rank must take part, so a missing gradient is a zero one
+            gg = torch.zeros_like(t) if g is None else g
+            g = partial_to_replicate(gg, group)
+        out.append(g)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------- shipped handlers, in order
+def _shipped() -> list[Handler]:
+    return [
+        Handler("replicated_grads", _grads_pred, _run_grads, "all-reduce gradients of replicated inputs"),
+        Handler("halo_refresh", _index_pred("gather", HaloPadded), _run_refresh, "refresh a stale halo"),
+        Handler("halo_correction", _index_pred("scatter", HaloPadded), _run_correction, "correct halo sums"),
+        Handler(
+            "per_system_reduce", _reduce_pred, _run_reduce, "scatter over atoms into a per-system buffer"
+        ),
+        Handler(
+            "global_reduce", lambda f, a, k: _global_args(f, a, k) is not None, _run_global, "sum/any/..."
+        ),
+        Handler("sharded_gather", _sharded_pred("gather"), _run_sharded_gather, "fetch rows owned elsewhere"),
+        Handler("sharded_scatter", _sharded_pred("scatter"), _run_sharded_scatter, "ship rows to owners"),
+    ]
+
+
+for _h in _shipped():
+    REGISTRY.register(_h, first=False)
+
+
+def spec_of(x: Any) -> ShardSpec | None:
+    return x._spec if isinstance(x, ShardTensor) else None

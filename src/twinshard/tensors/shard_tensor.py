@@ -1,0 +1,503 @@
+"""``ShardTensor``: this rank's rows of a per-particle tensor, with their placement.
+
+A ``ShardTensor`` is a ``torch.Tensor`` *wrapper subclass* around the local rows
+(``to_local()``), carrying a :class:`~twinshard.tensors.placements.ShardSpec`:
+placement (``Owned`` / ``HaloPadded`` with its halo plan / ``PerSystem``), halo
+state (fresh / stale / partial sums), process group and number of systems.
+Wrapping is zero-copy (:meth:`ShardTensor.wrap`, :func:`from_local`). A model
+written in plain PyTorch runs on it unchanged; two hooks make that safe:
+
+``__torch_function__`` (above autograd) consults the handler registry of
+:mod:`twinshard.tensors.dispatch`: the first handler whose predicate matches the
+call runs instead of the op (halo refresh before a gather along the atom
+dimension, halo correction after a scatter into a halo-padded tensor, a
+per-system reduce, the sharded-storage gathers and scatters, ...). Handlers are
+built from differentiable pieces (:func:`to_local` / :func:`from_local` and the
+comm ops with exact adjoints), so their backward is the exact adjoint, double
+backward included (``torch.autograd.grad(..., create_graph=True)`` inside a
+model's forward, as MACE computes forces). Unmatched calls take the default path.
+
+``__torch_dispatch__`` (below autograd) runs every remaining aten op on the local
+rows and decides what comes out:
+
+- **keeps the subclass** (same spec; halo state FRESH only if every per-atom input
+  was FRESH, else STALE): ops whose output keeps the atom rows at dim 0 —
+  pointwise ops (a plain input with the same number of rows makes the result
+  STALE: its halo rows are not known to be copies), ``mm``/``addmm``/``bmm``/
+  ``matmul`` with the ShardTensor on the left, reductions and views over the
+  other dims, ``index``/``gather`` of a plain table with a per-atom index
+  (``embedding[numbers]``: the index's rows), ``clone``/``detach``/``to``, and the
+  like-shaped allocators ``zeros_like``, ``ones_like``, ``full_like``, ``empty_like``,
+  ``rand_like`` and ``new_zeros``/``new_ones``/``new_full``/``new_empty`` of the same
+  number of rows (zeros/ones/full are FRESH, empty/rand STALE); in-place ops return
+  the same ShardTensor with its state updated (``zero_``/``fill_``: FRESH).
+  ``x[:n_owned]`` of a halo-padded tensor is an ``Owned`` ShardTensor.
+- **returns plain tensors**: results without the atom rows at dim 0 (a gather
+  with a per-edge index, reductions over systems, other slices of dim 0 — local
+  rows — and allocators of another size).
+- **raises** (``UnhandledAtomOp``, naming the op): an op that indexes, reduces,
+  contracts, transposes or merges the atom dimension of a per-atom ShardTensor
+  and matched no handler — a sum over atoms of a halo-padded tensor would count
+  halo rows twice, so it is never silently computed on local rows.
+  Autograd's own backward ops (which run here with ShardTensor gradients) are
+  exempt: their communication is in the handlers' adjoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from twinshard.tensors.placements import HaloPadded, HaloState, Owned, PerSystem, ShardSpec
+
+__all__ = ["ShardTensor", "UnhandledAtomOp", "from_local", "to_local", "in_backward"]
+
+aten = torch.ops.aten
+
+
+class UnhandledAtomOp(RuntimeError):
+    """An op over the atom dimension of a ShardTensor that no handler matched."""
+
+
+_tls = threading.local()
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def _calling(name: str) -> Iterator[None]:
+    prev = getattr(_tls, "fn", None)
+    _tls.fn = name
+    try:
+        yield
+    finally:
+        _tls.fn = prev
+
+
+def _fn_name(func: Any) -> str:
+    name = getattr(func, "__name__", repr(func))
+    owner = getattr(func, "__qualname__", name)
+    if owner.startswith("TensorBase.") or owner.startswith("Tensor."):
+        return f"Tensor.{name}"
+    mod = getattr(func, "__module__", None) or "torch"
+    return f"{mod}.{name}" if mod else name
+
+
+class ShardTensor(torch.Tensor):
+    """This rank's rows of a sharded per-particle (or per-system) tensor; see the module docstring.
+
+    Build with :meth:`wrap` (zero-copy, not differentiable: for inputs) or :func:`from_local`
+    (zero-copy, differentiable). ``to_local()`` gives the local rows (differentiable)."""
+
+    _local: torch.Tensor
+    _spec: ShardSpec
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, spec: ShardSpec, requires_grad: bool = False) -> ShardTensor:
+        if isinstance(local, ShardTensor):
+            raise TypeError("ShardTensor: the local rows must be a plain tensor")
+        if spec.per_atom and local.dim() == 0:
+            raise ValueError("a per-atom ShardTensor needs a dim 0 (the atoms)")
+        if spec.halo:
+            n = spec.placement.n_owned + spec.placement.n_halo
+            if local.shape[0] != n:
+                raise ValueError(
+                    f"a halo-padded ShardTensor needs n_owned + n_halo = {n} rows, got {local.shape[0]}"
+                )
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            local.shape,
+            strides=local.stride(),
+            dtype=local.dtype,
+            layout=local.layout,
+            device=local.device,
+            requires_grad=requires_grad,
+        )
+        r._local = local
+        r._spec = spec
+        return r
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def wrap(cls, local: torch.Tensor, spec: ShardSpec) -> ShardTensor:
+        """Zero-copy wrapper around ``local`` (a leaf; ``requires_grad`` as ``local``'s, not linked
+        to ``local`` by autograd: use :func:`from_local` for that)."""
+        return cls(local.detach(), spec, requires_grad=local.requires_grad)
+
+    # ------------------------------------------------------------------ metadata
+    @property
+    def spec(self) -> ShardSpec:
+        return self._spec
+
+    @property
+    def placement(self) -> Owned | HaloPadded | PerSystem:
+        return self._spec.placement
+
+    @property
+    def state(self) -> HaloState:
+        return self._spec.state
+
+    @property
+    def plan(self) -> Any:
+        return self._spec.plan
+
+    @property
+    def group(self) -> Any:
+        return self._spec.group
+
+    @property
+    def n_systems(self) -> int:
+        return self._spec.n_systems
+
+    @property
+    def n_owned(self) -> int:
+        """Owned rows (all rows unless halo-padded)."""
+        n = self._spec.n_owned
+        return int(self._local.shape[0]) if n is None else n
+
+    def set_state(self, state: HaloState) -> ShardTensor:
+        """Declare the halo state (e.g. STALE after writing owned rows through a plain view)."""
+        self._spec = self._spec.with_state(state)
+        return self
+
+    def to_local(self) -> torch.Tensor:
+        """The local rows as a plain tensor (differentiable; backward wraps the gradient)."""
+        return to_local(self)
+
+    def __repr__(self) -> str:  # no aten ops: the default repr would dispatch
+        return f"ShardTensor({self._spec!r}, local={self._local!r})"
+
+    def __reduce_ex__(self, proto: int) -> Any:
+        raise TypeError("a ShardTensor does not travel between processes: send .to_local() instead")
+
+    # ------------------------------------------------------------------ hooks
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        from twinshard.tensors.dispatch import REGISTRY
+
+        handler = REGISTRY.match(func, args, kwargs)
+        with _calling(_fn_name(func)):
+            if handler is not None:
+                return handler.run(func, args, kwargs)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        sts = [a for a in flat if isinstance(a, ShardTensor)]
+        if not in_backward():
+            check_atom_op(func, args, kwargs)
+        largs, lkwargs = tree_map(_unwrap, (args, kwargs))
+        out = func(*largs, **lkwargs)
+        schema = func._schema
+        written = [
+            i
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write and i < len(args)
+        ]
+        if written:  # in place: the wrappers stay, their state follows the op
+            for i in written:
+                w = args[i]
+                if isinstance(w, ShardTensor) and w._spec.halo:
+                    w._spec = w._spec.with_state(_mutated_state(func, w, args))
+            if len(schema.returns) == 1 and schema.returns[0].alias_info is not None:
+                return args[written[0]]
+            return out
+        spec = _out_spec(func, args, sts)
+        if spec is None:
+            return out
+        n = _rows_of(args, sts)
+        return tree_map(lambda t: _rewrap(t, spec, n, func, args), out)
+
+
+def _unwrap(t: Any) -> Any:
+    return t._local if isinstance(t, ShardTensor) else t
+
+
+# ---------------------------------------------------------------------- propagation rules
+_FRESH_ALLOC = {
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+}
+_STALE_ALLOC = {
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+}
+_INDEX_BY = {aten.index.Tensor, aten.index_select.default, aten.gather.default, aten.embedding.default}
+
+
+def _per_atom(sts: list[ShardTensor]) -> list[ShardTensor]:
+    return [t for t in sts if t._spec.per_atom]
+
+
+def _rows_of(args: tuple, sts: list[ShardTensor]) -> int:
+    pa = _per_atom(sts)
+    return int((pa or sts)[0].shape[0])
+
+
+def _combine(func: Any, args: tuple, ref: ShardTensor) -> HaloState:
+    """Halo state of a row-wise op's output: FRESH iff every per-atom input is FRESH; a plain
+    input with the atom rows (pointwise ops) has unknown halo rows, so it makes the result STALE."""
+    n = ref.shape[0]
+    flat, _ = tree_flatten(args)
+    if func in _FRESH_ALLOC:
+        return HaloState.FRESH
+    if func in _STALE_ALLOC:
+        return HaloState.STALE
+    if func in _INDEX_BY:  # the rows come from the index, not from the (replicated) table
+        idx = [a for a in flat[1:] if isinstance(a, ShardTensor) and a._spec.per_atom]
+        return HaloState.FRESH if all(t.state == HaloState.FRESH for t in idx) else HaloState.STALE
+    pointwise = torch.Tag.pointwise in func.tags or func in (aten.where.self, aten.cat.default)
+    for a in flat:
+        if isinstance(a, ShardTensor):
+            if a._spec.per_atom and a.state != HaloState.FRESH:
+                return HaloState.STALE
+        elif pointwise and isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n and n > 1:
+            return HaloState.STALE
+    return HaloState.FRESH
+
+
+def _mutated_state(func: Any, w: ShardTensor, args: tuple) -> HaloState:
+    if func in (aten.zero_.default, aten.fill_.Scalar):
+        return HaloState.FRESH
+    if func is aten.copy_.default:
+        src = args[1]
+        if isinstance(src, ShardTensor):
+            return src.state if src._spec.per_atom else HaloState.FRESH
+        return HaloState.STALE if (src.dim() > 0 and src.shape[0] == w.shape[0]) else HaloState.FRESH
+    if w.state != HaloState.FRESH:
+        return w.state
+    return _combine(func, args, w)
+
+
+def _out_spec(func: Any, args: tuple, sts: list[ShardTensor]) -> ShardSpec | None:
+    if not sts:
+        return None
+    pa = _per_atom(sts)
+    ref = (pa or sts)[0]
+    if not pa:
+        return ref._spec
+    if func is aten.slice.Tensor and args[0] is ref and _dim(args, 1, 0, ref) == 0 and ref._spec.halo:
+        start, end = _arg(args, 2, 0), _arg(args, 3, None)
+        if (start in (0, None)) and end == ref._spec.n_owned:
+            return ref._spec.owned()
+        if (start in (0, None)) and (end is None or end >= ref.shape[0]):
+            return ref._spec
+        return None  # other local rows: a plain tensor
+    return ref._spec.with_state(_combine(func, args, ref))
+
+
+def _rewrap(t: Any, spec: ShardSpec, n: int, func: Any, args: tuple) -> Any:
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return t
+    if spec.halo and t.shape[0] != n:
+        return t
+    if not spec.halo and t.shape[0] != n and not (func is aten.slice.Tensor and spec.placement == Owned()):
+        return t
+    return ShardTensor(t, spec)
+
+
+def _arg(args: tuple, i: int, default: Any) -> Any:
+    return args[i] if len(args) > i else default
+
+
+def _dim(args: tuple, i: int, default: int, t: torch.Tensor) -> int:
+    d = _arg(args, i, default)
+    return d % max(t.dim(), 1) if isinstance(d, int) else d
+
+
+# ---------------------------------------------------------------------- the atom-dimension check
+_INDEXING = {
+    "index_select": 1,
+    "gather": 1,
+    "scatter": 1,
+    "scatter_add": 1,
+    "scatter_reduce": 1,
+    "index_add": 1,
+    "index_copy": 1,
+    "index_fill": 1,
+    "index_reduce": 1,
+    "cumsum": 1,
+    "cumprod": 1,
+    "cummax": 1,
+    "cummin": 1,
+    "logcumsumexp": 1,
+    "sort": 1,
+    "argsort": 1,
+    "topk": 2,
+    "kthvalue": 2,
+    "select": 1,
+    "unbind": 1,
+    "split": 2,
+    "split_with_sizes": 2,
+    "narrow": 1,
+    "flip": None,
+    "roll": None,
+    "take": None,
+    "put": None,
+    "put_": None,
+    "masked_select": None,
+    "nonzero": None,
+    "unique_dim": 1,
+    "_unique2": None,
+    "index_put": None,
+}
+_CONTRACT_RIGHT = {"mm": 1, "addmm": 2, "mv": 1, "addmv": 2, "dot": None, "vdot": None, "outer": None}
+_MOVES = {"transpose", "t", "permute", "movedim", "swapaxes", "swapdims", "expand", "unsqueeze"}
+_VIEWS = {"view", "_unsafe_view", "reshape", "flatten", "_reshape_alias", "view_as"}
+
+
+def _atom_dims(d: Any, ndim: int) -> bool:
+    """Does the dim argument ``d`` (int, list or None = all) include the atom dimension 0?"""
+    if d is None:
+        return True
+    ds = [d] if isinstance(d, int) else list(d)
+    return not ds or any(int(x) % max(ndim, 1) == 0 for x in ds)
+
+
+def check_atom_op(func: Any, args: tuple, kwargs: dict) -> None:
+    """Raise ``UnhandledAtomOp`` if ``func`` indexes, reduces, contracts, moves or merges the atom
+    dimension of a per-atom ShardTensor argument (no handler matched it)."""
+    name = func._schema.name.split("::")[-1].rstrip("_") if func._schema.name else str(func)
+    base = name
+    x = args[0] if args else None
+    if isinstance(x, ShardTensor) and x._spec.per_atom:
+        nd = x.dim()
+        why = None
+        if base in ("index", "index_put") or func in (aten.index.Tensor, aten.index_put.default):
+            idx = args[1] if len(args) > 1 else kwargs.get("indices")
+            if idx and idx[0] is not None:
+                why = "indexes"
+        elif base in _INDEXING:
+            pos = _INDEXING[base]
+            d = kwargs.get("dim", args[pos] if pos is not None and len(args) > pos else 0)
+            if pos is None or _atom_dims(d, nd):
+                why = "indexes"
+        elif torch.Tag.reduction in func.tags:
+            names = [a.name for a in func._schema.arguments]
+            if "dim" in names:
+                i = names.index("dim")
+                d = kwargs.get("dim", args[i] if len(args) > i else None)
+                if _atom_dims(d, nd):
+                    why = "reduces over"
+            elif func._overloadname in ("default", "dtype", "Scalar", "names_dim", ""):
+                why = "reduces over"
+        elif base in _MOVES:
+            if base in ("transpose", "swapaxes", "swapdims"):
+                moved = 0 in (int(args[1]) % nd, int(args[2]) % nd) and int(args[1]) % nd != int(args[2]) % nd
+            elif base == "t":
+                moved = nd == 2
+            elif base == "permute":
+                moved = int(args[1][0]) % nd != 0
+            elif base == "movedim":
+                moved = True
+            elif base == "unsqueeze":
+                moved = int(args[1]) % (nd + 1) == 0
+            else:  # expand with new leading dims
+                moved = len(args[1]) != nd
+            if moved:
+                why = "moves"
+        elif base in _VIEWS:
+            shape = args[1] if len(args) > 1 else None
+            if isinstance(shape, torch.Tensor):
+                shape = tuple(shape.shape)
+            if base == "flatten":
+                if int(args[1] if len(args) > 1 else 0) % nd == 0 and nd > 1:
+                    end = int(args[2] if len(args) > 2 else -1) % nd
+                    why = "merges" if end > 0 else None
+            elif shape is not None:
+                first = int(shape[0]) if len(shape) else None
+                if first != x.shape[0] and not (
+                    first == -1 and len(shape) >= 1 and _minus_one_keeps(x, shape)
+                ):
+                    why = "merges"
+        elif base in ("cat", "stack"):
+            pass  # handled below (args[0] is a list)
+        if why is None and base in ("bmm", "baddbmm") and len(args) > 1:
+            pass
+        if why:
+            raise _unhandled(func, why)
+    if base in _CONTRACT_RIGHT:
+        pos = _CONTRACT_RIGHT[base]
+        cand = [args[pos]] if pos is not None and len(args) > pos else list(args[:2])
+        if any(isinstance(a, ShardTensor) and a._spec.per_atom for a in cand):
+            raise _unhandled(func, "contracts")
+    if base in ("cat", "stack") and args and isinstance(args[0], (list, tuple)):
+        ts = args[0]
+        d = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        pa = [t for t in ts if isinstance(t, ShardTensor) and t._spec.per_atom]
+        if pa and (int(d) % (pa[0].dim() + (base == "stack")) == 0):
+            raise _unhandled(func, "concatenates along")
+
+
+def _minus_one_keeps(x: torch.Tensor, shape: Any) -> bool:
+    rest = 1
+    for s in shape[1:]:
+        rest *= int(s)
+    return rest > 0 and x.numel() // rest == x.shape[0]
+
+
+def _unhandled(func: Any, why: str) -> UnhandledAtomOp:
+    called = getattr(_tls, "fn", None)
+    via = f" (called as {called})" if called else ""
+    return UnhandledAtomOp(
+        f"{func}{via} {why} the atom dimension of a per-atom ShardTensor and no dispatch handler "
+        "matched it: on local rows it would give a silently wrong answer (halo rows counted twice, "
+        "rows other ranks own missing). Register a handler (twinshard.tensors.dispatch.register) "
+        "or call .to_local() and do the communication explicitly"
+    )
+
+
+# ---------------------------------------------------------------------- differentiable wrap/unwrap
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, spec: ShardSpec) -> ShardTensor:
+        ctx.spec = spec
+        return ShardTensor(local.detach(), spec)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (_ToLocal.apply(g) if isinstance(g, ShardTensor) else g), None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, st: ShardTensor) -> torch.Tensor:
+        ctx.spec = st._spec
+        return st._local.view_as(st._local)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor]:
+        if isinstance(g, ShardTensor):
+            return (g,)
+        return (_FromLocal.apply(g, ctx.spec),)
+
+
+def from_local(local: torch.Tensor, spec: ShardSpec) -> ShardTensor:
+    """Zero-copy ShardTensor over ``local``; differentiable (the gradient comes back unwrapped)."""
+    if isinstance(local, ShardTensor):
+        raise TypeError("from_local: already a ShardTensor")
+    return _FromLocal.apply(local, spec)
+
+
+def to_local(x: torch.Tensor) -> torch.Tensor:
+    """The local rows of a ShardTensor (differentiable); a plain tensor passes through."""
+    return _ToLocal.apply(x) if isinstance(x, ShardTensor) else x
