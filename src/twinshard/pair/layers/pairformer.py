@@ -1,0 +1,275 @@
+"""CP twins of the Pairformer layer and stack (AF3 Alg. 17 as Boltz-2 runs it).
+
+The serial modules in ``twinshard.pair.reference.pairformer`` are the specification; these run
+the same order of updates on a rows x cols grid::
+
+    z <- z + Dropout_row(TriMulOut(z)); z <- z + Dropout_row(TriMulIn(z))
+    z <- z + Dropout_row(TriAttStart(z)); z <- z + Dropout_col(TriAttEnd(z)); z <- z + Transition(z)
+    s' <- LayerNorm(s); s <- s + AttentionPairBias(s', z, mask, k_in=s'); s <- s + Transition(s)
+    s <- s_post_norm(s)
+
+Placements. In and out: single ``s[B, Np, c_s]`` at ``(Shard(1), Replicate())``, pair ``z[B, Np,
+Np, c_z]`` at ``(Shard(1), Shard(2))``; optional token ``mask[B, Np]`` (single) and
+``pair_mask[B, Np, Np]`` (pair). With both masks None the padding is masked from the layout the
+tensors carry (``twinshard.pair.features``); a token mask without a pair mask raises (every
+rank alike: ``distribute`` builds the pair mask, and the plain-tensor boundary
+``twinshard.pair.layers.boundary`` builds it from the token mask as serial does). Residual sums
+are ``pointwise`` adds of identical placements: the output carries the input's layout with its
+padding exactly zero.
+
+Parameters: the serial names in the serial order (``pre_norm_s, attention, tri_mul_out,
+tri_mul_in, tri_att_start, tri_att_end, transition_s, transition_z, s_post_norm``;
+``layers.<i>`` in the stack), so a serial (or Boltz-2) ``state_dict`` loads unchanged.
+Dropout: ``CPDropout`` sites with the serial names, hence the serial streams
+(``assign_dropout_streams``, called by the stack as by the serial stack); each rank draws the
+mask of its tile keyed by global index, so the masks equal serial on any grid, in either
+convention (``"boltz"`` by default).
+
+Collectives, forward and backward: those of the parts, in the serial order (two triangle
+multiplications, two triangle attentions, attention with pair bias, and the replicated
+parameter-gradient all-reduces of every part); the stack adds one ``agree_scalars`` check
+(an all-gather of a few Python scalars) per forward, before the first layer.
+
+Activation checkpointing (``activation_checkpointing=True`` on the stack): each layer runs
+under ``torch.utils.checkpoint`` (non-reentrant) on its LOCAL tiles, with early stop off, so
+the recompute in backward re-runs the whole layer forward: every collective of the layer, in
+the forward order, on every rank (all ranks unpack the same first saved tensor of a layer at
+the same point of the same backward graph). Saved per layer: its inputs' local tiles
+(``s`` and ``z``); the recompute peak is one layer's saved activations on the tile, so a stack
+of L layers holds L layer inputs plus one layer's activations per rank.
+
+Memory saved for backward per rank (no checkpointing): the parts' tile activations, serial / P
+for the pair-sized terms (the single-track terms are serial / rows; they are O(N c_s), not
+O(N^2)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from twinshard.pair.features import layout_kind, layout_of, with_layout
+from twinshard.pair.layers.attention import CPAttentionPairBias
+from twinshard.pair.layers.dropout import CPDropout
+from twinshard.pair.layers.norm import CPLayerNorm
+from twinshard.pair.layers.tokenwise import pointwise
+from twinshard.pair.layers.transition import CPTransition
+from twinshard.pair.layers.triangle import CPTriangleMultiplicationIncoming, CPTriangleMultiplicationOutgoing
+from twinshard.pair.layers.triangle_attention import (
+    CPTriangleAttentionEndingNode,
+    CPTriangleAttentionStartingNode,
+)
+from twinshard.pair.reference.dropout import CONVENTIONS, assign_dropout_streams
+from twinshard.tensors.dtensor import PAIR, SINGLE, check_placements, from_local
+
+__all__ = ["CPPairformerLayer", "CPPairformerStack", "agree_scalars"]
+
+
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+def agree_scalars(values: Mapping[str, Any], what: str, group: dist.ProcessGroup | None = None) -> None:
+    """Check that control-flow scalars (number of layers, recycles, seed, ...) are identical on
+    every rank of ``group`` before any rank uses them; raise the same ``ValueError`` on every
+    rank if they differ (naming the ranks and values). One all-gather of Python objects; a
+    no-op without a process group of more than one rank."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    mine = sorted((str(k), v) for k, v in values.items())
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    if any(v != every[0] for v in every):
+        rows = "; ".join(f"rank {r}: {dict(v)}" for r, v in enumerate(every))
+        raise ValueError(f"{what}: control-flow scalars differ across ranks ({rows})")
+
+
+class CPPairformerLayer(nn.Module):
+    """Context-parallel Pairformer layer; the serial ``PairformerLayer``'s arguments and
+    parameters (module docstring). ``forward(s, z, mask=None, pair_mask=None, seed=None) ->
+    (s, z)`` on DTensors (for plain tensors see ``twinshard.pair.layers.boundary``)."""
+
+    def __init__(
+        self,
+        token_s: int,
+        token_z: int,
+        num_heads: int = 16,
+        dropout: float = 0.25,
+        pairwise_head_width: int = 32,
+        pairwise_num_heads: int = 4,
+        post_layer_norm: bool = False,
+        convention: str = "boltz",
+    ):
+        super().__init__()
+        if convention not in CONVENTIONS:
+            raise ValueError(f"dropout convention must be one of {CONVENTIONS}, got {convention!r}")
+        self.token_s = token_s
+        self.token_z = token_z
+        self.num_heads = num_heads
+        self.dropout = float(dropout)
+        self.post_layer_norm = bool(post_layer_norm)
+        self.convention = convention
+        # registration order = the serial PairformerLayer's (so named_parameters() agree)
+        self.pre_norm_s = CPLayerNorm(token_s)
+        self.attention = CPAttentionPairBias(token_s, token_z, num_heads)
+        self.tri_mul_out = CPTriangleMultiplicationOutgoing(token_z)
+        self.tri_mul_in = CPTriangleMultiplicationIncoming(token_z)
+        self.tri_att_start = CPTriangleAttentionStartingNode(
+            token_z, pairwise_head_width, pairwise_num_heads, inf=1e9
+        )
+        self.tri_att_end = CPTriangleAttentionEndingNode(
+            token_z, pairwise_head_width, pairwise_num_heads, inf=1e9
+        )
+        self.transition_s = CPTransition(token_s, 4 * token_s)
+        self.transition_z = CPTransition(token_z, 4 * token_z)
+        self.s_post_norm = CPLayerNorm(token_s) if self.post_layer_norm else nn.Identity()
+        self.dropout_tri_mul_out = CPDropout(dropout, convention=convention)
+        self.dropout_tri_mul_in = CPDropout(dropout, convention=convention)
+        self.dropout_tri_att_start = CPDropout(dropout, convention=convention)
+        self.dropout_tri_att_end = CPDropout(dropout, columnwise=True, convention=convention)
+
+    def pair_stack(self, z: DTensor, pair_mask: DTensor | None, seed: int | None = None) -> DTensor:
+        """The pair half: four dropped-out residual updates and the transition."""
+        z = pointwise(_add, z, self.dropout_tri_mul_out(self.tri_mul_out(z, pair_mask), seed))
+        z = pointwise(_add, z, self.dropout_tri_mul_in(self.tri_mul_in(z, pair_mask), seed))
+        z = pointwise(_add, z, self.dropout_tri_att_start(self.tri_att_start(z, pair_mask), seed))
+        z = pointwise(_add, z, self.dropout_tri_att_end(self.tri_att_end(z, pair_mask), seed))
+        return pointwise(_add, z, self.transition_z(z))
+
+    def single_stack(self, s: DTensor, z: DTensor, mask: DTensor | None) -> DTensor:
+        """The single half: attention with pair bias (keys from the normed ``s``), transition."""
+        s_normed = self.pre_norm_s(s)
+        s = pointwise(_add, s, self.attention(s_normed, z, mask, k_in=s_normed))
+        s = pointwise(_add, s, self.transition_s(s))
+        return self.s_post_norm(s)
+
+    def forward(
+        self,
+        s: DTensor,
+        z: DTensor,
+        mask: DTensor | None = None,
+        pair_mask: DTensor | None = None,
+        seed: int | None = None,
+    ) -> tuple[DTensor, DTensor]:
+        what = type(self).__name__
+        if not isinstance(s, DTensor) or not isinstance(z, DTensor):
+            raise TypeError(
+                f"{what} takes DTensors (s single, z pair); for plain tensors wrap it with "
+                "twinshard.pair.layers.boundary.plain(module, grid)"
+            )
+        check_placements(s, SINGLE, f"{what} input s", ndim=3)
+        check_placements(z, PAIR, f"{what} input z", ndim=4)
+        if tuple(z.shape[:2]) != tuple(s.shape[:2]) or z.shape[1] != z.shape[2]:
+            raise ValueError(
+                f"expected s[B, N, c_s] and z[B, N, N, c_z], got {tuple(s.shape)} and {tuple(z.shape)}"
+            )
+        if mask is not None and pair_mask is None:
+            raise ValueError(
+                f"{what}: a token mask without pair_mask: pass pair_mask (distribute() builds it from "
+                "the token mask, as does the plain-tensor boundary), or neither (masks from the layout)"
+            )
+        z = self.pair_stack(z, pair_mask, seed)
+        return self.single_stack(s, z, mask), z
+
+    def extra_repr(self) -> str:
+        return (
+            f"token_s={self.token_s}, token_z={self.token_z}, num_heads={self.num_heads}, "
+            f"dropout={self.dropout}, convention={self.convention!r}"
+        )
+
+
+def _rebuild(local: torch.Tensor, like: DTensor) -> DTensor:
+    out = from_local(local, like.device_mesh, like.placements)
+    layout = layout_of(like)
+    return out if layout is None else with_layout(out, layout, layout_kind(like))
+
+
+class CPPairformerStack(nn.Module):
+    """``num_blocks`` CP Pairformer layers (the serial ``PairformerStack``'s arguments, names and
+    dropout streams); ``activation_checkpointing`` recomputes each layer in backward on every
+    rank in the same collective order (module docstring)."""
+
+    def __init__(
+        self,
+        token_s: int,
+        token_z: int,
+        num_blocks: int,
+        num_heads: int = 16,
+        dropout: float = 0.25,
+        pairwise_head_width: int = 32,
+        pairwise_num_heads: int = 4,
+        post_layer_norm: bool = False,
+        activation_checkpointing: bool = False,
+        convention: str = "boltz",
+    ):
+        super().__init__()
+        self.token_s = token_s
+        self.token_z = token_z
+        self.num_blocks = int(num_blocks)
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self.layers = nn.ModuleList(
+            CPPairformerLayer(
+                token_s,
+                token_z,
+                num_heads,
+                dropout,
+                pairwise_head_width,
+                pairwise_num_heads,
+                post_layer_norm,
+                convention,
+            )
+            for _ in range(self.num_blocks)
+        )
+        assign_dropout_streams(self)
+
+    def control_scalars(self, seed: int | None) -> dict[str, Any]:
+        """The values every rank's control flow depends on (checked equal before use)."""
+        return {
+            "num_blocks": len(self.layers),
+            "activation_checkpointing": self.activation_checkpointing,
+            "training": self.training,
+            "seed": seed,
+            "grad_enabled": torch.is_grad_enabled(),
+        }
+
+    def forward(
+        self,
+        s: DTensor,
+        z: DTensor,
+        mask: DTensor | None = None,
+        pair_mask: DTensor | None = None,
+        seed: int | None = None,
+    ) -> tuple[DTensor, DTensor]:
+        """Run the layers in order: ``(s, z) -> (s, z)`` (arguments as ``CPPairformerLayer``)."""
+        agree_scalars(self.control_scalars(seed), type(self).__name__)
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                s, z = self._checkpointed(layer, s, z, mask, pair_mask, seed)
+            else:
+                s, z = layer(s, z, mask, pair_mask, seed)
+        return s, z
+
+    @staticmethod
+    def _checkpointed(
+        layer: CPPairformerLayer,
+        s: DTensor,
+        z: DTensor,
+        mask: DTensor | None,
+        pair_mask: DTensor | None,
+        seed: int | None,
+    ) -> tuple[DTensor, DTensor]:
+        """One layer under non-reentrant checkpointing on local tiles (full recompute)."""
+
+        def run(s_local: torch.Tensor, z_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            s_out, z_out = layer(_rebuild(s_local, s), _rebuild(z_local, z), mask, pair_mask, seed)
+            return s_out.to_local(), z_out.to_local()
+
+        # outputs have the inputs' placements and layouts (residual adds keep the first argument's)
+        s_local, z_local = checkpoint(run, s.to_local(), z.to_local(), use_reentrant=False, early_stop=False)
+        return _rebuild(s_local, s), _rebuild(z_local, z)
