@@ -32,6 +32,16 @@ Collectives per evaluation:
 Memory per rank: the autograd graph of the block (owned + halo atoms, owned-
 receiver edges), i.e. ~(N/P + halo) / N of the serial graph; nothing scales with N.
 
+Analytic pair potentials (:func:`~twinshard.atoms.potentials.base.has_analytic`,
+e.g. Lennard-Jones) take a fast path in :meth:`DistributedPotential.compute`
+(not with ``create_graph``): the block's half list with the owner rule
+(:meth:`ShardedSystem.half_edges`: each pair of the system evaluated once over
+all ranks), closed-form per-atom energies, forces and virial, then one
+halo forward exchange of the positions (no vote), one reverse exchange of the
+halo rows' ``[force, energy]`` partial sums scatter-added into the owned rows,
+and the same all_reduce of ``[energy, virial]``. No autograd graph.
+``DistributedPotential(pot, analytic=False)`` forces the autograd path (the oracle).
+
 Stress: a symmetric strain leaf ``eps`` is applied to the whole padded block
 (``x -> x (I + eps)``; halo rows carry their lattice image, so this strains the
 cell too); ``dE/deps`` is summed over ranks. ``stress = (dE/deps) / V`` (ASE's
@@ -41,6 +51,7 @@ sign: positive is tensile) for any cell with a volume (as the serial evaluator),
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -48,7 +59,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from twinshard.atoms.potentials.base import Graph, strained
+from twinshard.atoms.plain_inputs import dispatch_compute, dispatch_energies
+from twinshard.atoms.potentials.base import Graph, has_analytic, strained
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.comm import primitives as prim
 from twinshard.comm.ops import sync_params
@@ -83,11 +95,21 @@ class DistributedPotential:
         ...integrate owned atoms..., then sharded.update()
     """
 
-    def __init__(self, potential: nn.Module) -> None:
+    def __init__(self, potential: nn.Module, analytic: bool | None = None, mode: str = "hooks") -> None:
+        # mode "hooks": the model follows the Graph contract and calls graph.refresh; mode "dispatch": a
+        # plain-PyTorch model (dict contract, atoms.plain_inputs) runs unmodified on ShardTensor inputs
+        if mode not in ("hooks", "dispatch"):
+            raise ValueError(f"mode must be 'hooks' or 'dispatch', got {mode!r}")
+        self.mode = mode
         if not hasattr(potential, "cutoff"):
             raise TypeError("the potential must have a float attribute `cutoff` (see potentials.base)")
+        if analytic and not has_analytic(potential):
+            raise ValueError(f"{type(potential).__name__} has no analytic path; use analytic=False")
         self.module = potential
+        self.analytic = mode == "hooks" and (has_analytic(potential) if analytic is None else bool(analytic))
         self._probed: tuple[int, int] | None = None
+        # seconds of the last compute(), by part (the benchmark reads them)
+        self.timings: dict[str, float] = {}
 
     @property
     def cutoff(self) -> float:
@@ -105,6 +127,13 @@ class DistributedPotential:
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> Any:
         return self.module.load_state_dict(state, strict=strict)
+
+    def _check_cutoff(self, sharded: ShardedSystem) -> None:
+        if sharded.cutoff + 1e-12 < self.cutoff:
+            raise ValueError(
+                f"the sharded system's halo was built for cutoff {sharded.cutoff}, but the "
+                f"potential needs {self.cutoff}; scatter with cutoff=potential.cutoff"
+            )
 
     def _check(self, sharded: ShardedSystem) -> None:
         if sharded.cutoff + 1e-12 < self.cutoff:
@@ -145,6 +174,13 @@ class DistributedPotential:
         (one all-reduce per parameter dtype, in backward; nothing to call after).
         ``strain`` (3x3) optionally deforms the block by ``I + sym(strain)``.
         """
+        if self.mode == "dispatch":
+            if strain is not None:
+                raise ValueError(
+                    "mode='dispatch': the model applies its own strain (compute(compute_stress=True))"
+                )
+            self._check_cutoff(sharded)
+            return dispatch_energies(self, sharded, positions)
         self._check(sharded)
         graph = sharded.block_graph(positions)
         if strain is not None:
@@ -165,8 +201,14 @@ class DistributedPotential:
         """Collective: total energy, owned per-atom energies, owned forces, virial, stress.
 
         ``create_graph`` keeps the graph of the forces (to train on forces);
-        otherwise every result is detached.
+        otherwise every result is detached. An analytic pair potential takes the
+        closed-form path unless ``create_graph`` (same results to round-off).
         """
+        if self.analytic and not create_graph:
+            return self._compute_analytic(sharded, compute_stress)
+        if self.mode == "dispatch":
+            self._check_cutoff(sharded)
+            return DistributedResults(*dispatch_compute(self, sharded, compute_stress, create_graph))
         dtype = sharded.dtype
         x = sharded.positions.detach().requires_grad_(True)
         strain = torch.zeros(3, 3, dtype=dtype, device=x.device, requires_grad=True)
@@ -191,6 +233,53 @@ class DistributedPotential:
                 stress = de / sharded.volume
         if not create_graph:
             per_atom, forces = per_atom.detach(), forces.detach()
+        return DistributedResults(energy, per_atom, forces, virial, stress)
+
+    def _compute_analytic(self, sharded: ShardedSystem, compute_stress: bool) -> DistributedResults:
+        """Each pair once over all ranks (half list + owner rule), closed form, then the reverse sum."""
+        clock = time.perf_counter
+        self._check(sharded)
+        t0 = clock()
+        half = sharded.half_edges()  # built once per plan build, reused until the next one
+        t1 = clock()
+        plan = sharded.plan
+        assert plan is not None
+        x = sharded.positions.detach()
+        block = plan.padded_positions(x, sharded.cell, vote=False)  # forward exchange, no autograd
+        numbers = torch.cat([sharded.numbers, sharded.halo_numbers])
+        t2 = clock()
+        pair = self.module.analytic(
+            block, numbers, half.receivers, half.senders, None, compute_virial=compute_stress
+        )
+        t3 = clock()
+        n = sharded.n_owned
+        halo = torch.cat([pair.forces[n:], pair.per_atom[n:, None]], 1)  # one message: [f, e]
+        back = plan.reverse_sum(halo)
+        forces = pair.forces[:n] + back[:, :3]
+        per_atom = pair.per_atom[:n] + back[:, 3]
+        t4 = clock()
+        dtype = per_atom.dtype
+        e_local = per_atom.sum()
+        parts = [e_local.reshape(1)]
+        if compute_stress:
+            parts.append(pair.virial.reshape(9))
+        total = prim.all_reduce(
+            torch.cat(parts).to(prim.reduce_dtype(dtype)), sharded.group, op="potential"
+        ).to(dtype)
+        energy = total[0]
+        virial = stress = None
+        if compute_stress:
+            virial = total[1:].reshape(3, 3)
+            if sharded.volume > 0:
+                stress = -virial / sharded.volume
+        t5 = clock()
+        self.timings = {
+            "neighbor_list": t1 - t0,
+            "halo_forward": t2 - t1,
+            "pairs": t3 - t2,
+            "halo_reverse": t4 - t3,
+            "all_reduce": t5 - t4,
+        }
         return DistributedResults(energy, per_atom, forces, virial, stress)
 
     __call__ = compute

@@ -332,12 +332,25 @@ class HaloPlan:
         own = h[: self.n_owned]
         return torch.cat([own, self.forward(own)])
 
-    def padded_positions(self, x_owned: torch.Tensor, cell: torch.Tensor) -> torch.Tensor:
-        """``[n_owned + n_halo, 3]`` block positions in this rank's frame (differentiable in x)."""
+    def padded_positions(self, x_owned: torch.Tensor, cell: torch.Tensor, vote: bool = True) -> torch.Tensor:
+        """``[n_owned + n_halo, 3]`` block positions in this rank's frame (differentiable in x).
+
+        ``vote=False``: every rank passes detached positions and wants no gradient, so the
+        exchange skips the autograd vote (one all_gather fewer; analytic paths, plan builds).
+        """
         cell = cell.to(dtype=x_owned.dtype, device=x_owned.device)
         own = x_owned + self.owned_shift.to(x_owned.device, x_owned.dtype) @ cell
-        halo = self.forward(x_owned) + self.halo_shift.to(x_owned.device, x_owned.dtype) @ cell
+        sent = self.forward(x_owned) if vote else self._forward_raw(x_owned)
+        halo = sent + self.halo_shift.to(x_owned.device, x_owned.dtype) @ cell
         return torch.cat([own, halo])
+
+    def reverse_sum(self, y: torch.Tensor) -> torch.Tensor:
+        """Collective with the neighbour ranks: owner sums ``[n_owned, ...]`` of halo partials
+        ``y [n_halo, ...]``, no autograd and no vote (every rank calls it on the same path: the
+        analytic pair potentials). One exchange; scatter-add into owned rows on the device."""
+        if y.shape[0] != self.n_halo:
+            raise ValueError(f"halo reverse: expected {self.n_halo} halo rows, got {y.shape[0]}")
+        return self._reverse_raw(y)
 
     def _forward_raw(self, x: torch.Tensor, op: str = "halo_forward") -> torch.Tensor:
         x = x.detach()

@@ -14,6 +14,12 @@ positions as given, so unwrapped MD coordinates stay valid.
 reused until some atom moved more than ``skin / 2`` since the build (the pair
 distance then changed by less than ``skin``, so no pair within ``cutoff`` can
 be missing). Potentials must therefore ignore edges longer than their cutoff.
+
+A *half* list (``half=True``) holds each pair once, as the edge ``i -> j`` with
+``(i, cell_shift)`` canonical: ``i < j``, or ``i == j`` (an atom and its own
+periodic image) with the shift lexicographically positive. It is exactly the
+subset of the full list that :func:`half_of` keeps, so analytic pair potentials
+can evaluate each pair once and apply the force to both atoms.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Edges", "neighbor_list", "VerletList"]
+__all__ = ["Edges", "neighbor_list", "half_of", "lex_positive", "VerletList"]
 
 
 @dataclass
@@ -50,8 +56,9 @@ def neighbor_list(
     cell: torch.Tensor | None = None,
     pbc: torch.Tensor | bool = False,
     sort: bool = True,
+    half: bool = False,
 ) -> Edges:
-    """All directed pairs closer than ``cutoff`` (vesin, full list).
+    """All directed pairs closer than ``cutoff`` (vesin; full list, or each pair once with ``half``).
 
     Args:
         positions: ``[n, 3]`` float tensor (detached internally; the list is
@@ -62,6 +69,7 @@ def neighbor_list(
         pbc: per-axis periodicity (bool or 3 bools).
         sort: order edges by (receiver, sender, shift) so the list is
             independent of vesin's internal traversal order.
+        half: each pair once, in the canonical orientation of the module docstring.
     """
     if not cutoff > 0:
         raise ValueError(f"cutoff must be positive, got {cutoff}")
@@ -89,13 +97,24 @@ def neighbor_list(
         )
     from vesin import NeighborList
 
-    nl = NeighborList(cutoff=float(cutoff), full_list=True)
+    nl = NeighborList(cutoff=float(cutoff), full_list=not half)
     i, j, s = nl.compute(pos_np, cell_np, periodic, "ijS")
     i = i.astype(np.int64)
     j = j.astype(np.int64)
     s = s.astype(np.int64)
+    if half and len(i):
+        # canonical orientation: i < j, or i == j with a lexicographically positive shift
+        flip = (i > j) | ((i == j) & ~_lex_positive_np(s))
+        i, j = np.where(flip, j, i), np.where(flip, i, j)
+        s = np.where(flip[:, None], -s, s)
     if sort and len(i):
-        order = np.lexsort((s[:, 2], s[:, 1], s[:, 0], j, i))
+        # one integer key (receiver, sender) sorts much faster than a 5-key lexsort; shifts of the
+        # same (i, j) pair (small cells only) break the tie in order
+        key = i * n + j
+        if len(np.unique(key)) == len(key):
+            order = np.argsort(key, kind="stable")
+        else:
+            order = np.lexsort((s[:, 2], s[:, 1], s[:, 0], key))
         i, j, s = i[order], j[order], s[order]
     cell_shifts = torch.as_tensor(s, device=device)
     shifts = cell_shifts.to(dtype) @ cell.to(dtype=dtype, device=device).detach()
@@ -109,12 +128,33 @@ def neighbor_list(
     )
 
 
+def _lex_positive_np(s: np.ndarray) -> np.ndarray:
+    first = np.where(s[:, 0] != 0, s[:, 0], np.where(s[:, 1] != 0, s[:, 1], s[:, 2]))
+    return first > 0
+
+
+def lex_positive(s: torch.Tensor) -> torch.Tensor:
+    """``[k, 3]`` integer vectors -> ``[k]`` bool: the first non-zero component is positive."""
+    first = torch.where(s[:, 0] != 0, s[:, 0], torch.where(s[:, 1] != 0, s[:, 1], s[:, 2]))
+    return first > 0
+
+
+def half_of(edges: Edges) -> Edges:
+    """The half list of a full list: each pair once, in the canonical orientation
+    (``receiver < sender``, or an atom and its own image with a lexicographically positive shift)."""
+    i, j = edges.receivers, edges.senders
+    keep = (i < j) | ((i == j) & lex_positive(edges.cell_shifts))
+    return Edges(j[keep], i[keep], edges.shifts[keep], edges.cell_shifts[keep])
+
+
 class VerletList:
     """A neighbour list with a skin, rebuilt when any atom moved more than skin/2.
 
     ``update(positions, cell, pbc)`` returns the current :class:`Edges` and
     whether it rebuilt. ``n_builds`` counts builds. The cell is assumed fixed
-    between builds (a changed cell forces a rebuild).
+    between builds (a changed cell forces a rebuild). ``half=True`` keeps a half
+    list (each pair once; analytic pair potentials); asking for the other kind
+    rebuilds. ``build_seconds`` sums the wall time of the builds.
     """
 
     def __init__(self, cutoff: float, skin: float = 1.0) -> None:
@@ -126,9 +166,15 @@ class VerletList:
         self.n_builds = 0
         self._ref: torch.Tensor | None = None
         self._cell: torch.Tensor | None = None
+        self.half = False
+        self.build_seconds = 0.0
 
-    def needs_rebuild(self, positions: torch.Tensor, cell: torch.Tensor | None = None) -> bool:
+    def needs_rebuild(
+        self, positions: torch.Tensor, cell: torch.Tensor | None = None, half: bool | None = None
+    ) -> bool:
         if self.edges is None or self._ref is None or self._ref.shape != positions.shape:
+            return True
+        if half is not None and bool(half) != self.half:
             return True
         if cell is not None and (self._cell is None or not torch.equal(cell, self._cell)):
             return True
@@ -140,8 +186,15 @@ class VerletList:
         positions: torch.Tensor,
         cell: torch.Tensor | None = None,
         pbc: torch.Tensor | bool = False,
+        half: bool = False,
     ) -> Edges:
-        self.edges = neighbor_list(positions, self.cutoff + self.skin, cell, pbc)
+        import time
+
+        t0 = time.perf_counter()
+        self.edges = None  # drop the old list before building the new one (peak memory)
+        self.edges = neighbor_list(positions, self.cutoff + self.skin, cell, pbc, half=half)
+        self.build_seconds += time.perf_counter() - t0
+        self.half = bool(half)
         self._ref = positions.detach().clone()
         self._cell = None if cell is None else cell.detach().clone()
         self.n_builds += 1
@@ -152,8 +205,9 @@ class VerletList:
         positions: torch.Tensor,
         cell: torch.Tensor | None = None,
         pbc: torch.Tensor | bool = False,
+        half: bool = False,
     ) -> tuple[Edges, bool]:
-        if self.needs_rebuild(positions, cell):
-            return self.build(positions, cell, pbc), True
+        if self.needs_rebuild(positions, cell, half):
+            return self.build(positions, cell, pbc, half), True
         assert self.edges is not None
         return self.edges, False

@@ -38,13 +38,14 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from twinshard.atoms.halo import HaloPlan
-from twinshard.atoms.neighbors import Edges, neighbor_list
+from twinshard.atoms.neighbors import Edges, lex_positive, neighbor_list
 from twinshard.atoms.partition import BlockPartition, SpatialPartition
 from twinshard.atoms.potentials.base import Graph
 from twinshard.atoms.system import System
@@ -89,7 +90,10 @@ class ShardedSystem:
     moved between ranks so far), ``builds`` (plan/neighbour-list builds).
     Per rank: ``plan`` (:class:`~twinshard.atoms.halo.HaloPlan`), ``edges`` (on
     the padded block, owned receivers only, built with ``cutoff + skin``),
-    ``halo_numbers``.
+    ``half_edges`` (each pair once, for analytic pair potentials: see
+    :meth:`half_edges`), ``halo_numbers``. The two lists are built on first use
+    after each plan build (only the kind a potential asks for);
+    ``neighbor_seconds`` sums their build times.
 
     Do not construct directly; use :meth:`scatter`.
     """
@@ -116,7 +120,10 @@ class ShardedSystem:
         self.migrations = 0
         self.builds = 0
         self.plan: HaloPlan | None = None
-        self.edges: Edges | None = None
+        self._edges: Edges | None = None
+        self._half: Edges | None = None
+        self._block: torch.Tensor | None = None
+        self.neighbor_seconds = 0.0
         self.halo_numbers = torch.zeros(0, dtype=torch.int64)
         self._ref: torch.Tensor | None = None
         self._schema: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
@@ -405,16 +412,66 @@ class ShardedSystem:
     def _build(self) -> None:
         part = self.partition
         x = self.positions.detach()
+        self._edges = self._half = None  # dropped before the new plan is built (peak memory)
         self.plan = HaloPlan.build(part.fractional(x.cpu()), self.ids, part, group=self.group)
         self.halo_numbers = self.plan.forward(self.numbers)
-        block = self.plan.padded_positions(x, self.cell)
-        edges = neighbor_list(block, self.cutoff + self.skin)
-        keep = edges.receivers < self.n_owned  # only owned receivers carry energy (contract)
-        self.edges = Edges(
-            edges.senders[keep], edges.receivers[keep], edges.shifts[keep], edges.cell_shifts[keep]
-        )
+        # the neighbour lists are built lazily from this block, the kind a potential asks for
+        self._block = self.plan.padded_positions(x, self.cell, vote=False)
         self._ref = x.clone()
         self.builds += 1
+
+    @property
+    def edges(self) -> Edges:
+        """Full list on the padded block with owned receivers (the potential contract's graph)."""
+        if self._edges is None:
+            assert self._block is not None
+            t0 = time.perf_counter()
+            edges = neighbor_list(self._block, self.cutoff + self.skin)
+            keep = edges.receivers < self.n_owned  # only owned receivers carry energy (contract)
+            self._edges = Edges(
+                edges.senders[keep], edges.receivers[keep], edges.shifts[keep], edges.cell_shifts[keep]
+            )
+            self.neighbor_seconds += time.perf_counter() - t0
+        return self._edges
+
+    @edges.setter
+    def edges(self, value: Edges | None) -> None:
+        self._edges = value
+
+    def half_edges(self) -> Edges:
+        """Each pair of the whole system within ``cutoff + skin`` exactly once over all ranks.
+
+        A half list (vesin) on the padded block, pairs between two halo rows dropped.
+        A pair of two owned atoms is kept; a pair of an owned atom ``o`` and a halo
+        row ``h`` (an image of an atom owned here or elsewhere) appears on two ranks
+        (or twice on one), so it is kept only where the owner rule holds:
+        ``id(o) < id(h)``, or, for an atom and its own periodic image, a
+        lexicographically positive relative lattice shift ``halo_shift(h) -
+        owned_shift(o)``. Oriented with the owned atom as receiver. Forces and
+        energies of halo rows are partial sums for their owners (reverse exchange).
+        """
+        if self._half is None:
+            assert self._block is not None and self.plan is not None
+            t0 = time.perf_counter()
+            e = neighbor_list(self._block, self.cutoff + self.skin, half=True)
+            i, j = e.receivers, e.senders
+            n = self.n_owned
+            own_i, own_j = i < n, j < n
+            # orient: the owned atom receives (i < j in the half list, so only (halo, owned) flips)
+            flip = ~own_i & own_j
+            i, j = torch.where(flip, j, i), torch.where(flip, i, j)
+            keep = own_j.clone() & own_i  # owned-owned: each pair once already
+            cross = own_i ^ own_j
+            if bool(cross.any()):
+                plan = self.plan
+                ids = torch.cat([self.ids.to(plan.halo_ids.device), plan.halo_ids]).to(i.device)
+                shift = torch.cat([plan.owned_shift, plan.halo_shift]).to(i.device)
+                io, jh = i[cross], j[cross]
+                keep[cross] = owner_keeps(ids[io], ids[jh], shift[jh] - shift[io])
+            zero = torch.zeros(int(keep.sum()), 3, dtype=e.shifts.dtype, device=e.shifts.device)
+            self._half = Edges(j[keep], i[keep], zero, zero.to(torch.int64))
+            self.neighbor_seconds += time.perf_counter() - t0
+        return self._half
 
     def __repr__(self) -> str:
         grid = getattr(self.partition, "grid", None)
@@ -423,6 +480,13 @@ class ShardedSystem:
             f"halo={self.n_halo}, total={self.n_total}, grid={grid}, "
             f"migrations={self.migrations}, builds={self.builds})"
         )
+
+
+def owner_keeps(id_owned: torch.Tensor, id_halo: torch.Tensor, rel_shift: torch.Tensor) -> torch.Tensor:
+    """The owner rule for a pair (owned atom, halo image), seen from the two ends: the rank
+    that owns the smaller id evaluates it; an atom and its own image (equal ids) by the sign
+    of the relative lattice shift, which is opposite at the two ends."""
+    return (id_owned < id_halo) | ((id_owned == id_halo) & lex_positive(rel_shift))
 
 
 _MAX_ID = 2**32 - 1  # ids key the counter-based RNG (Langevin noise, velocities): 32-bit words

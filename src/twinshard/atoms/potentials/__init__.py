@@ -7,6 +7,7 @@ from twinshard.atoms.potentials.base import (
     energy_forces_stress,
     evaluate,
     graph_from_system,
+    has_analytic,
     identity,
     strained,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "energy_forces_stress",
     "evaluate",
     "graph_from_system",
+    "has_analytic",
     "identity",
     "strained",
     "make_potential",

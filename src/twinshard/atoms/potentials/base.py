@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from twinshard.atoms.neighbors import Edges, VerletList, neighbor_list
+from twinshard.atoms.neighbors import Edges, VerletList, half_of, neighbor_list
 from twinshard.atoms.system import System
 
 __all__ = [
@@ -57,7 +57,14 @@ __all__ = [
     "strained",
     "energy_forces_stress",
     "evaluate",
+    "has_analytic",
 ]
+
+
+def has_analytic(potential: object) -> bool:
+    """Whether ``potential`` has a closed-form pair path ``analytic(...)`` (each pair once, no
+    autograd: see :meth:`twinshard.atoms.potentials.lj.LennardJones.analytic`)."""
+    return callable(getattr(potential, "analytic", None))
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -207,18 +214,47 @@ def evaluate(
     system: System,
     edges: Edges | VerletList | None = None,
     compute_stress: bool = True,
+    analytic: bool | None = None,
 ) -> Results:
     """Serial energy, per-atom energies, forces, stress and virial of a whole system.
 
     ``edges`` may be a prebuilt list (built with at least the potential's
     cutoff) or a :class:`VerletList` that is updated here. Stress is ``None``
     for a cell without volume (an open box given no cell).
+
+    ``analytic``: use the potential's closed-form pair path (each pair once, from
+    a half list; a full ``edges`` list is halved) instead of autograd over the
+    full edge list; default: whenever the potential has one (:func:`has_analytic`).
+    ``analytic=False`` is the autograd reference.
     """
     cutoff = float(potential.cutoff)
+    fast = has_analytic(potential) if analytic is None else bool(analytic)
+    if fast and not has_analytic(potential):
+        raise ValueError(f"{type(potential).__name__} has no analytic path; use analytic=False")
     if isinstance(edges, VerletList):
         if edges.cutoff < cutoff:
             raise ValueError(f"Verlet list cutoff {edges.cutoff} < potential cutoff {cutoff}")
-        edges, _ = edges.update(system.positions, system.cell, system.pbc)
-    graph = graph_from_system(system, cutoff, edges)
+        edges, _ = edges.update(system.positions, system.cell, system.pbc, half=fast)
+    elif edges is not None and fast:
+        edges = half_of(edges)
     volume = system.volume if system.volume > 0 else None
+    if fast:
+        if edges is None:
+            edges = neighbor_list(system.positions, cutoff, system.cell, system.pbc, half=True)
+        dtype = system.positions.dtype
+        pair = potential.analytic(
+            system.positions,
+            system.numbers,
+            edges.receivers,
+            edges.senders,
+            edges.shifts.to(dtype),
+            compute_virial=compute_stress,
+        )
+        stress = virial = None
+        if compute_stress:
+            virial = pair.virial
+            if volume is not None and volume > 0:
+                stress = -virial / volume
+        return Results(pair.per_atom.sum(), pair.per_atom, pair.forces, stress, virial)
+    graph = graph_from_system(system, cutoff, edges)
     return energy_forces_stress(potential, graph, volume, compute_stress)
