@@ -90,7 +90,20 @@ def agree_scalars(values: Mapping[str, Any], what: str, group: dist.ProcessGroup
         raise ValueError(f"{what}: control-flow scalars differ across ranks ({rows})")
 
 
-class CPPairformerLayer(nn.Module):
+class _PlainArgs:
+    """How ``twinshard.pair.layers.boundary.plain`` feeds the caller's full tensors."""
+
+    PLAIN_IN_KINDS = {"s": "single", "z": "pair", "mask": "single", "pair_mask": "pair"}
+
+    def plain_prepare(self, argv: dict[str, Any]) -> dict[str, Any]:
+        """The serial default: a token mask without a pair mask implies their outer product."""
+        mask = argv.get("mask")
+        if mask is not None and argv.get("pair_mask") is None and not isinstance(mask, DTensor):
+            argv["pair_mask"] = mask[:, :, None] * mask[:, None, :]
+        return argv
+
+
+class CPPairformerLayer(_PlainArgs, nn.Module):
     """Context-parallel Pairformer layer; the serial ``PairformerLayer``'s arguments and
     parameters (module docstring). ``forward(s, z, mask=None, pair_mask=None, seed=None) ->
     (s, z)`` on DTensors (for plain tensors see ``twinshard.pair.layers.boundary``)."""
@@ -190,7 +203,7 @@ def _rebuild(local: torch.Tensor, like: DTensor) -> DTensor:
     return out if layout is None else with_layout(out, layout, layout_kind(like))
 
 
-class CPPairformerStack(nn.Module):
+class CPPairformerStack(_PlainArgs, nn.Module):
     """``num_blocks`` CP Pairformer layers (the serial ``PairformerStack``'s arguments, names and
     dropout streams); ``activation_checkpointing`` recomputes each layer in backward on every
     rank in the same collective order (module docstring)."""
