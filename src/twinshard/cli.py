@@ -102,28 +102,62 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; under torchrun every rank runs it inside ``rank_guard``, so a failure on
+    one rank ends every rank with an error naming it (see ``twinshard.runtime.watchdog``)."""
     from twinshard.runtime import RankFailure
+    from twinshard.runtime.watchdog import rank_guard
 
     args = build_parser().parse_args(argv)
+    code = 0
     try:
-        result = args.func(args)
+        with rank_guard():
+            result = args.func(args)
         if isinstance(result, dict) and result.get("selftest") == "failed":
-            return 1  # a parity check failed: the table / JSON above names it
+            code = 1  # a parity check failed: the table / JSON above names it
     except (ValueError, FileNotFoundError) as exc:
         print(f"twinshard: error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
     except RankFailure as exc:  # the origin's own error line; the traceback only on request
         if os.environ.get("TWINSHARD_DEBUG"):
+            _end_world(1)
             raise
-        last = [ln for ln in exc.failures[exc.rank].splitlines() if ln.strip()][-1]
+        lines = [ln for ln in exc.failures[exc.rank].splitlines() if ln.strip()]
+        last = lines[-1] if lines else "(no message)"
         where = f" in step {exc.step!r}" if exc.step else ""
         print(
-            f"twinshard: error on rank {exc.rank}{where}: {last}\n"
+            f"twinshard: error on rank {exc.rank}{where}: {last}{_reporter(exc.rank)}\n"
             "(set TWINSHARD_DEBUG=1 for the full traceback)",
             file=sys.stderr,
         )
-        return 1
-    return 0
+        code = 1
+    except BaseException:
+        _end_world(1)
+        raise
+    return _end_world(code)
+
+
+def _reporter(origin: int) -> str:
+    from twinshard.runtime import get_world
+
+    world = get_world()
+    return f" (reported by rank {world.rank})" if world is not None and world.rank != origin else ""
+
+
+def _end_world(code: int) -> int:
+    """End the world this process joined under torchrun: destroy the process group before the
+    interpreter exits (a live gloo group torn down by interpreter finalization can abort with
+    "terminate called without an active exception"); after a failure, end the process at once
+    (its peers wake when its sockets close; a teardown could wait on a broken group)."""
+    from twinshard.runtime import get_world, in_torchrun, shutdown_world
+
+    if get_world() is None or not in_torchrun():
+        return code
+    if code != 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    shutdown_world()
+    return code
 
 
 if __name__ == "__main__":

@@ -46,7 +46,25 @@ FAILURE_GRACE = 3.0
 SPAWN_TIMEOUT = 300.0
 
 
-def _worker(index: int, conn: Connection, port: int, threads: int | None) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this worker when the launching process dies (even by SIGKILL),
+    so a worker blocked in a collective is never left behind as an orphan."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except Exception:  # not fatal: the pipe's EOF still ends an idle worker
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _worker(index: int, conn: Connection, port: int, threads: int | None, parent: int | None = None) -> None:
+    if parent is not None:
+        _die_with_parent(parent)
     set_threads(threads)
     os.environ.setdefault("TWINSHARD_WORKER", str(index))
     store = None
@@ -113,7 +131,9 @@ class WorkerPool:
             if i < len(self._procs) and self._procs[i].is_alive():
                 continue
             parent, child = self._ctx.Pipe()
-            p = self._ctx.Process(target=_worker, args=(i, child, self._port, self.threads), daemon=True)
+            p = self._ctx.Process(
+                target=_worker, args=(i, child, self._port, self.threads, os.getpid()), daemon=True
+            )
             p.start()
             child.close()
             started.append((i, parent))

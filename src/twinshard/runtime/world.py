@@ -11,6 +11,7 @@ live. Every collective times out after ``timeout`` seconds (default 60).
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import traceback
@@ -105,13 +106,23 @@ def init_world(
             "twinshard.runtime.launch(fn, nprocs)"
         )
     set_threads(threads)
-    return attach_world(
+    world = attach_world(
         int(os.environ["RANK"]),
         int(os.environ["WORLD_SIZE"]),
         backend=backend,
         timeout=timeout,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
+    # A script that never calls shutdown_world() would leave the group to interpreter
+    # finalization, where gloo's threads can be torn down in the wrong order ("terminate called
+    # without an active exception", SIGABRT): destroy it at exit, before finalization.
+    atexit.register(_shutdown_at_exit)
+    return world
+
+
+def _shutdown_at_exit() -> None:
+    if _WORLD is not None:
+        shutdown_world()
 
 
 def in_torchrun() -> bool:
