@@ -127,10 +127,14 @@ class Registry:
 
     @contextlib.contextmanager
     def installed(self, handler: Handler, first: bool = True) -> Iterator[Handler]:
-        """Register ``handler`` inside the block only (a previous one of that name comes back)."""
+        """``handler`` inside the block only: it takes the place of a handler of the same name (which
+        comes back afterwards), else goes first (or last)."""
         prev_index = self.names().index(handler.name) if handler.name in self.names() else None
         prev = self.unregister(handler.name)
-        self.register(handler, first)
+        if prev_index is not None:  # takes the place of the handler it replaces
+            self._handlers.insert(prev_index, handler)
+        else:
+            self.register(handler, first)
         try:
             yield handler
         finally:

@@ -360,6 +360,7 @@ _INDEXING = {
     "_unique2": None,
     "index_put": None,
 }
+_SCATTERS = {"index_add", "scatter_add", "scatter", "scatter_reduce", "index_copy", "index_reduce"}
 _CONTRACT_RIGHT = {"mm": 1, "addmm": 2, "mv": 1, "addmv": 2, "dot": None, "vdot": None, "outer": None}
 _MOVES = {"transpose", "t", "permute", "movedim", "swapaxes", "swapdims", "expand", "unsqueeze"}
 _VIEWS = {"view", "_unsafe_view", "reshape", "flatten", "_reshape_alias", "view_as"}
@@ -435,6 +436,17 @@ def check_atom_op(func: Any, args: tuple, kwargs: dict) -> None:
             pass
         if why:
             raise _unhandled(func, why)
+    if base in _SCATTERS and not (isinstance(x, ShardTensor) and x._spec.per_atom):
+        # a scatter from per-atom rows (source or index) into a buffer that is not per-atom
+        # sums over atoms: on local rows it would count halo rows and miss other ranks
+        d = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        rest = list(args[2:]) + list(kwargs.values())
+        if (
+            isinstance(d, int)
+            and d % max(x.dim(), 1) == 0
+            and any(isinstance(a, ShardTensor) and a._spec.per_atom for a in rest)
+        ):
+            raise _unhandled(func, "scatters over")
     if base in _CONTRACT_RIGHT:
         pos = _CONTRACT_RIGHT[base]
         cand = [args[pos]] if pos is not None and len(args) > pos else list(args[:2])

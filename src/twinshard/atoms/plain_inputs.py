@@ -1,0 +1,133 @@
+"""Inputs for plain-PyTorch models (MACE-like dict contract), serial and as ShardTensors.
+
+A *plain* model (e.g. :class:`~twinshard.atoms.potentials.mpnn_plain.PlainMessagePassing`)
+takes ``data = {positions [n, 3], numbers [n], senders [E], receivers [E], shifts [E, 3]
+(cartesian), batch [n], cell [S, 3, 3]}`` and returns a dict with ``node_energy [n]``,
+``energy [S]`` and, when asked, ``forces``, ``virial`` and ``stress`` (computed by the model
+itself with ``torch.autograd.grad``). It never calls twinshard.
+
+Distributed (:func:`block_inputs`), each rank's block is ``[owned | halo]`` as
+ShardTensors with the halo plan: ``positions`` hold the owned (unwrapped) rows and a STALE
+halo, so the model's first gather refreshes it through the dispatch (forward exchange;
+backward: halo gradients summed onto their owners, so ``-dE/dpositions`` is complete on the
+owned rows); ``numbers`` and ``batch`` are FRESH; the lattice images of the halo rows (and
+the frame shifts of owned rows) are carried by the edge ``shifts``, so every halo row is a
+plain copy of its owner's row. ``cell`` is replicated.
+
+:func:`dispatch_energies` / :func:`dispatch_compute` are the ``mode="dispatch"`` paths of
+:class:`~twinshard.atoms.distributed.DistributedPotential`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from twinshard.atoms.neighbors import Edges, neighbor_list
+from twinshard.atoms.potentials.base import Results
+from twinshard.atoms.sharded import ShardedSystem
+from twinshard.atoms.system import System
+from twinshard.comm.ops import sync_params
+from twinshard.tensors.placements import HaloPadded, HaloState, ShardSpec
+from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
+
+__all__ = ["block_inputs", "dispatch_compute", "dispatch_energies", "evaluate_plain", "system_inputs"]
+
+
+def system_inputs(system: System, cutoff: float, edges: Edges | None = None) -> dict[str, torch.Tensor]:
+    """The serial input dict of a whole system (one system, all atoms)."""
+    if edges is None:
+        edges = neighbor_list(system.positions, cutoff, system.cell, system.pbc)
+    x = system.positions
+    return {
+        "positions": x,
+        "numbers": system.numbers,
+        "senders": edges.senders,
+        "receivers": edges.receivers,
+        "shifts": edges.shifts.to(x.dtype),
+        "batch": torch.zeros(system.n_atoms, dtype=torch.int64, device=x.device),
+        "cell": system.cell.to(x.dtype)[None],
+    }
+
+
+def evaluate_plain(model: nn.Module, system: System, compute_stress: bool = True) -> Results:
+    """Serial energy, per-atom energies, forces, stress and virial of a plain model."""
+    data = system_inputs(system, float(model.cutoff))
+    data["positions"] = system.positions.detach().clone().requires_grad_(True)
+    out = model(data, compute_forces=True, compute_stress=compute_stress)
+    stress = out.get("stress")
+    virial = out.get("virial")
+    return Results(
+        out["energy"].sum().detach(),
+        out["node_energy"].detach(),
+        out["forces"].detach(),
+        None if stress is None else stress[0].detach(),
+        None if virial is None else virial[0].detach(),
+    )
+
+
+def block_inputs(sharded: ShardedSystem, positions: torch.Tensor | None = None) -> dict[str, Any]:
+    """This rank's ``[owned | halo]`` block as ShardTensors (no communication here: the halo of
+    ``positions`` is STALE and refreshed by the model's first gather)."""
+    plan, e = sharded.plan, sharded.edges
+    assert plan is not None and e is not None
+    x = sharded.positions if positions is None else positions
+    nh = sharded.n_halo
+    stale = ShardSpec(HaloPadded(plan), HaloState.STALE, sharded.group, 1)
+    fresh = stale.with_state(HaloState.FRESH)
+    pos = from_local(torch.cat([x, x.new_zeros(nh, 3)]), stale)
+    numbers = ShardTensor.wrap(torch.cat([sharded.numbers, sharded.halo_numbers]), fresh)
+    batch = ShardTensor.wrap(torch.zeros(sharded.n_owned + nh, dtype=torch.int64, device=x.device), fresh)
+    cell = sharded.cell.to(x.device, x.dtype)
+    frame = torch.cat([plan.owned_shift, plan.halo_shift]).to(x.device, x.dtype)
+    shifts = (frame[e.senders] - frame[e.receivers]) @ cell
+    return {
+        "positions": pos,
+        "numbers": numbers,
+        "senders": e.senders,
+        "receivers": e.receivers,
+        "shifts": shifts,
+        "batch": batch,
+        "cell": cell[None],
+    }
+
+
+def _call(dp: Any, sharded: ShardedSystem, data: dict, **flags: Any) -> dict:
+    named = list(dp.module.named_parameters())
+    synced = sync_params([p for _, p in named], sharded.group)
+    return functional_call(dp.module, {n: p for (n, _), p in zip(named, synced)}, (data,), flags)
+
+
+def _owned(t: torch.Tensor, n: int) -> torch.Tensor:
+    return to_local(t)[:n]
+
+
+def dispatch_energies(dp: Any, sharded: ShardedSystem, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Collective: owned per-atom energies ``[n_owned]`` of a plain model (differentiable)."""
+    data = block_inputs(sharded, positions)
+    out = _call(dp, sharded, data, compute_forces=False, compute_stress=False)
+    return _owned(out["node_energy"], sharded.n_owned)
+
+
+def dispatch_compute(dp: Any, sharded: ShardedSystem, compute_stress: bool, create_graph: bool) -> tuple:
+    """Collective: (energy, per_atom, forces, virial, stress) of a plain model computing its own
+    forces and stress; energy, virial and stress come back replicated from the dispatch."""
+    x = sharded.positions.detach().requires_grad_(True)
+    data = block_inputs(sharded, x)
+    out = _call(dp, sharded, data, compute_forces=True, compute_stress=compute_stress, training=create_graph)
+    n = sharded.n_owned
+    energy = to_local(out["energy"]).sum()
+    per_atom, forces = _owned(out["node_energy"], n), _owned(out["forces"], n)
+    virial = stress = None
+    if compute_stress:
+        virial = to_local(out["virial"])[0]
+        if out.get("stress") is not None and sharded.volume > 0:
+            stress = to_local(out["stress"])[0]
+    if not create_graph:
+        energy, per_atom, forces = energy.detach(), per_atom.detach(), forces.detach()
+        virial = None if virial is None else virial.detach()
+        stress = None if stress is None else stress.detach()
+    return energy, per_atom, forces, virial, stress
