@@ -103,7 +103,10 @@ class CPOuterProductMean(OuterProductMean, TokenwiseTwin):
             mk = mask.to(a.dtype).unsqueeze(-1).contiguous()
             count = grid_matmul(grid, Tiled(mk, s, n), True, Tiled(mk, s, n), False, _COUNT, "opm_count")
             count = count.reshape(*count.shape[:3], 1).clamp(min=1)
-        o = grid_contract(a, b, grid, OPM_SPEC, (s, n), (s, n))
+        # bf16/fp16 MSA: a and b are m.dtype values upcast, so they travel in m.dtype exactly;
+        # the sum (divided by the counts before rounding, as serial) stays in fp32.
+        wire = m.dtype if a.dtype != m.dtype else None
+        o = grid_contract(a, b, grid, OPM_SPEC, (s, n), (s, n), wire_dtype=wire)
         o = o.reshape(*o.shape[:3], self.c_hidden * self.c_hidden) / count
         # The output is a pair tile: rows block r of Np, columns block c of Np.
         return self.project_out(o, m.dtype)

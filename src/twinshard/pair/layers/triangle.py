@@ -21,6 +21,12 @@ tiles (Cannon; ~2 N^2 h / sqrt(P) elements per rank), or R + C - 1 segment excha
 (``dA`` and ``dB``, each the same schedule as the forward, tagged ``:backward`` in
 the ledger) and one all-reduce of the flat parameter gradient over the grid (>= fp32).
 
+Wire dtype. With bf16/fp16 activations ``a``, ``b`` (and the output's gradient) travel and are
+saved in the activation dtype (exact: they are activation values upcast); every block product
+accumulates in fp32 and the result is rounded once to the activation dtype, as the serial
+``project_out`` does. The local products are channel-first batched matmuls (operands laid out
+once per call, see ``Contraction.kernel``).
+
 Memory saved for backward per rank: what the serial module saves, for one tile
 (serial / P): the token-local activations plus the ``a`` and ``b`` tiles. Transient
 memory: two tiles of ``a`` and ``b`` each (current + in flight) and one output tile.
@@ -98,7 +104,12 @@ class CPTriangleMultiplication(TriangleMultiplication, TokenwiseTwin):
     def _tile_forward(self, z: torch.Tensor, mask: torch.Tensor | None, grid: ProcessGrid) -> torch.Tensor:
         a, b, x = self.project_in(z, mask)
         n = z.shape[1] * grid.rows
-        o = grid_contract(a, b, grid, TRIMUL_SPECS[self.direction], (n, n), (n, n))
+        # bf16/fp16 activations: a and b are z.dtype values upcast for the sum, so their tiles are
+        # stored and sent in z.dtype exactly; the fp32 sum is rounded once, as project_out would.
+        wire = z.dtype if a.dtype != z.dtype else None
+        o = grid_contract(
+            a, b, grid, TRIMUL_SPECS[self.direction], (n, n), (n, n), wire_dtype=wire, out_dtype=wire
+        )
         return self.project_out(o, x)
 
 
