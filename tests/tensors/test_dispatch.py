@@ -270,3 +270,17 @@ def test_user_handler_runs_first():
     assert "mine" not in REGISTRY.names()
     with pytest.raises(UnhandledAtomOp, match="aten.cumsum"):
         x.cumsum(0)
+
+
+def _rank_mesh():
+    from twinshard.tensors.placements import spatial_mesh
+
+    m = spatial_mesh((2, 2, 1))
+    return tuple(m.shape), m.mesh_dim_names, m.get_coordinate()
+
+
+def test_spatial_mesh_is_the_partition_grid():
+    res = run_on_world(_rank_mesh, 4)
+    for rank, (shape, names, coord) in enumerate(res):
+        assert shape == (2, 2, 1) and names == ("x", "y", "z")
+        assert list(coord) == [rank // 2, rank % 2, 0]  # row-major, as SpatialPartition numbers slabs
