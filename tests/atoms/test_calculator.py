@@ -31,8 +31,9 @@ def test_serial_calculator_matches_evaluate():
     assert atoms.get_potential_energy() == pytest.approx(float(ref.energy), rel=1e-15)
     np.testing.assert_array_equal(atoms.get_forces(), ref.forces.numpy())
     np.testing.assert_array_equal(atoms.get_potential_energies(), ref.per_atom.numpy())
-    st = ref.stress.numpy()
-    np.testing.assert_array_equal(atoms.get_stress(voigt=False), st)
+    # the calculator derives the stress from the virial (-W / V): the same sum, one more rounding
+    stress = torch.from_numpy(atoms.get_stress(voigt=False))
+    assert_parity(stress, ref.stress, what="serial calculator stress", reduction=1)
     with pytest.raises(TypeError, match="cutoff"):
         TwinshardCalculator(torch.nn.Linear(2, 2))
 

@@ -2,6 +2,7 @@
 with a message that says why."""
 
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -187,12 +188,14 @@ def test_b():
 
 
 def _pytest(tmp_path, *args):
+    env = {k: v for k, v in os.environ.items() if k != "TWINSHARD_EVIDENCE"}  # the outer run's choice
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
 
 
