@@ -15,6 +15,19 @@ the parity errors against serial), plus a summary against the targets:
 
 ``--plot FILE.png`` draws memory per rank and halo atoms per rank against P
 beside the ideal curves (serial / P, and the ghost-shell estimate).
+
+The evaluation section (``--mode both``, the default, puts it under
+``"evaluation"``; ``--mode eval`` prints it alone) times force evaluations, not
+MD: on fcc argon (rattled) it runs the serial evaluation with the analytic pair
+path (LJ) and the autograd path back to back (time per evaluation as the median
+of ``--repeats``, neighbour-list build time, tensor and resident peak), then per
+P ``DistributedPotential.compute`` (max over ranks of the per-rank median, and
+its parts: neighbour list, halo forward, pairs, halo reverse, all-reduce),
+tensor/resident peaks per rank, halo atoms against the ghost-shell estimate
+and parity against serial. ``--both-paths`` also times the autograd path at
+every P; ``--weak`` keeps ``--atoms`` per rank (weak scaling: the serial twin
+then runs at every size). For the message-passing model the P=1 ratio
+``time_ratio_to_serial_P1`` is the overhead twinshard adds over the plain model.
 Times are from a shared CPU machine: compare ratios, not absolute seconds.
 """
 
