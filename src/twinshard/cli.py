@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     from twinshard.bench import pair as bench_pair
 
     add_md_parser(sub)
+    from twinshard.bench import trunk as bench_trunk
+
+    bench_trunk.add_parser(sub)
     from twinshard.selftest import add_parser as add_selftest_parser
 
     add_selftest_parser(sub)

@@ -211,11 +211,17 @@ def _twin_class(kind: str) -> type:
 def cp_twin_of(module: nn.Module, convention: str = "boltz") -> nn.Module:
     """The CP twin of a boltz module with its ``state_dict`` loaded unchanged (strict), in the
     module's dtype, on its device, in its training mode. ``convention`` picks the twin's dropout
-    masks (Pairformer layer and stack only; Boltz's own by default)."""
+    masks (Pairformer layer and stack only; Boltz's own by default). A lone layer's dropout
+    sites get the streams ``assign_dropout_streams`` gives the serial ``PairformerLayer``; a
+    stack's are assigned by the stack from the sites' qualified names, as in serial."""
     kind, cfg = twin_config(module)
     if kind in ("PairformerLayer", "PairformerModule"):
         cfg["convention"] = convention
     twin = _twin_class(kind)(**cfg)
+    if kind == "PairformerLayer":  # a lone layer's dropout sites get the serial layer's streams
+        from twinshard.pair.reference.dropout import assign_dropout_streams
+
+        assign_dropout_streams(twin)
     ref = next(iter(module.parameters()), None)
     if ref is not None:
         twin = twin.to(device=ref.device, dtype=ref.dtype)

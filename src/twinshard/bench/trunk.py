@@ -1,0 +1,332 @@
+"""``twinshard trunk``: a random-weight Pairformer stack on a rows x cols grid, measured.
+
+Runs the CP Pairformer stack (``twinshard.pair.layers.pairformer.CPPairformerStack``, random
+weights from ``--seed``, Boltz-2's layer structure at the widths given) forward and backward on
+synthetic features (random single and pair representations, a random token mask and the pair
+mask it implies, padding when N does not divide the grid) with one random grad_output for ``s``
+and ``z``, and prints one JSON object (the last stdout line) with the keys of ``twinshard bench
+pair`` plus ``layers`` (and the trunk's widths and options):
+
+- parity (``--check-serial``): the serial ``PairformerStack`` with the same weights runs on rank 0
+  on the full inputs; ``max_abs_error_out`` (``s`` and ``z``), ``..._grad_inputs`` and
+  ``..._grad_params`` (every parameter by name) are its differences from the gathered CP results,
+  and ``serial_*`` its own saved bytes, peak memory and time; without it those keys are null;
+- ``saved_bytes_per_rank``, ``peak_memory_bytes_per_rank`` (tensors: the profiler's allocator
+  peak on CPU, ``max_memory_allocated`` on CUDA) and ``peak_rss_bytes_per_rank`` (resident):
+  the rules of ``twinshard bench pair`` (``twinshard.bench.pair.measure``) over forward +
+  backward; the inputs' tiles are built before the window opens, the full inputs are freed;
+- ``comm_bytes_per_rank`` (forward) and ``comm_backward_bytes_per_rank`` from the CommLedger,
+  ``ledger_bytes_per_rank`` their sum (sent or received, whichever is more, per phase);
+  ``comm_lower_bound_bytes`` is the triangle multiplications' 2-D bound, ``2 B N^2 c_z /
+  sqrt(P)`` elements for each of the ``2 x layers`` of them (the other parts' traffic is on top).
+
+``--checkpointing`` recomputes each layer in backward (both the CP and the serial stack).
+``--train-step`` is not wired in yet (the step is ``twinshard.pair.train.train_step``): the option
+raises a clear error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+import torch
+
+from twinshard.bench.pair import measure, parse_grid
+from twinshard.comm import CommLedger
+from twinshard.comm.ledger import BYTES_MODEL
+from twinshard.pair.layers.contraction import schedule_name
+from twinshard.runtime import get_world, make_grid, shared_pool
+
+__all__ = ["add_parser", "run", "trunk_rank", "summarise"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``trunk`` as a top-level ``twinshard`` command."""
+    p = subparsers.add_parser(
+        "trunk", help="a random-weight CP Pairformer stack: parity, memory, bytes (JSON)"
+    )
+    p.add_argument("--tokens", type=int, default=24, help="N (any value; padded internally)")
+    p.add_argument("--grid", default="2x2", help="rows x cols process grid, e.g. 2x2, 2x3")
+    p.add_argument("--layers", type=int, default=2, help="Pairformer layers")
+    p.add_argument(
+        "--train-step", action="store_true", help="one training step instead of forward + backward"
+    )
+    p.add_argument("--check-serial", action="store_true", help="run the serial stack on rank 0 and compare")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
+    p.add_argument("--dtype", choices=("float64", "float32"), default="float32")
+    p.add_argument("--single-channels", type=int, default=64, help="c_s (token_s)")
+    p.add_argument("--pair-channels", type=int, default=32, help="c_z (token_z)")
+    p.add_argument("--heads", type=int, default=4, help="heads of the attention with pair bias")
+    p.add_argument("--pair-head-width", type=int, default=16, help="triangle attention head width")
+    p.add_argument("--pair-heads", type=int, default=4, help="triangle attention heads")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print only the JSON line")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds the local ranks may take")
+    p.set_defaults(func=run)
+    return p
+
+
+def _stacks(cfg: dict[str, Any], dtype: torch.dtype, seed: int):
+    from twinshard.pair.layers.pairformer import CPPairformerStack
+    from twinshard.pair.reference.pairformer import PairformerStack
+
+    kw = dict(
+        num_heads=cfg["heads"],
+        dropout=0.0,
+        pairwise_head_width=cfg["pair_head_width"],
+        pairwise_num_heads=cfg["pair_heads"],
+        activation_checkpointing=cfg["checkpointing"],
+    )
+    torch.manual_seed(seed + 1)  # the same initial weights on every rank (the twin loads them)
+    serial = PairformerStack(cfg["single"], cfg["pair"], cfg["layers"], **kw).to(dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # zero inits (output projections, gates) would hide most of the backward
+        for p in serial.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype))
+    cp = CPPairformerStack(cfg["single"], cfg["pair"], cfg["layers"], **kw).to(dtype)
+    cp.load_state_dict(serial.state_dict())
+    return serial, cp
+
+
+def _inputs(cfg: dict[str, Any], n: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    b = cfg["batch"]
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    s, z = randn(b, n, cfg["single"]), randn(b, n, n, cfg["pair"])
+    mask = (torch.rand(b, n, generator=g) > 0.1).to(dtype)
+    mask[:, 0] = 1
+    return {
+        "s": s,
+        "z": z,
+        "mask": mask,
+        "pair_mask": mask[:, :, None] * mask[:, None, :],
+        "gs": randn(b, n, cfg["single"]),
+        "gz": randn(b, n, n, cfg["pair"]),
+    }
+
+
+def trunk_rank(
+    tokens: int,
+    grid_shape: tuple[int, int],
+    cfg: dict[str, Any],
+    dtype_name: str,
+    check_serial: bool,
+    seed: int,
+) -> dict[str, Any]:
+    """Run on every rank of a world of rows x cols ranks; returns this rank's figures."""
+    from twinshard.pair.features import PairLayout, with_layout
+    from twinshard.tensors.dtensor import PAIR, SINGLE, from_local, local_block, pad_dim, padded_tokens
+
+    dtype = getattr(torch, dtype_name)
+    grid = make_grid(tuple(grid_shape))
+    device = get_world().device
+    serial, cp = _stacks(cfg, dtype, seed)
+    cp = cp.to(device)
+    full = {k: v.to(device) for k, v in _inputs(cfg, tokens, dtype, seed).items()}
+    npad = padded_tokens(tokens, grid)
+    layout = PairLayout.for_sizes(tokens, grid)
+
+    def tile(x: torch.Tensor, kind: str) -> torch.Tensor:
+        place = PAIR if kind == "pair" else SINGLE
+        x = pad_dim(x, 1, npad)
+        x = pad_dim(x, 2, npad) if kind == "pair" else x
+        return local_block(x, grid, place)
+
+    kinds = {"s": "single", "z": "pair", "mask": "single", "pair_mask": "pair", "gs": "single", "gz": "pair"}
+    local = {k: tile(v, kinds[k]) for k, v in full.items()}
+    if not check_serial or grid.rank != 0:
+        full = {}  # the window below measures the CP run only: no full-size inputs kept around
+    sl, zl = local["s"].requires_grad_(True), local["z"].requires_grad_(True)
+
+    def dt(x: torch.Tensor, kind: str):
+        return with_layout(from_local(x, grid, PAIR if kind == "pair" else SINGLE), layout, kind)
+
+    fwd_ledger, bwd_ledger = CommLedger(), CommLedger()
+    held: list[Any] = []
+
+    def cp_fwd() -> Any:
+        with fwd_ledger:
+            out = cp(
+                dt(sl, "single"), dt(zl, "pair"), dt(local["mask"], "single"), dt(local["pair_mask"], "pair")
+            )
+        held.append(out)
+        return out
+
+    def cp_bwd(out: Any) -> None:
+        with bwd_ledger:
+            torch.autograd.backward([out[0].to_local(), out[1].to_local()], [local["gs"], local["gz"]])
+
+    cpm = measure(cp_fwd, cp_bwd, device)
+    s_out, z_out = held.pop()
+    f, b_ = fwd_ledger.summary(), bwd_ledger.summary()
+    mine: dict[str, Any] = {
+        "saved": cpm["saved_bytes"],
+        "peak": cpm["peak_bytes"],
+        "rss_peak": cpm["rss_peak_bytes"],
+        "rss_reset": cpm["rss_reset"],
+        "rss_source": cpm["rss_source"],
+        "seconds": cpm["seconds"],
+        "comm_fwd": max(f["bytes_sent"], f["bytes_recv"]),
+        "comm_fwd_sent": f["bytes_sent"],
+        "comm_fwd_recv": f["bytes_recv"],
+        "comm_bwd": max(b_["bytes_sent"], b_["bytes_recv"]),
+        "padded_tokens": npad,
+    }
+    if not check_serial:
+        return mine
+
+    # gather the CP results (collectives on every rank; outside the measured window and ledgers)
+    def gather(x: torch.Tensor, kind: str) -> torch.Tensor:
+        t = from_local(x.detach(), grid, PAIR if kind == "pair" else SINGLE).full_tensor()
+        return t[:, :tokens, :tokens] if kind == "pair" else t[:, :tokens]
+
+    got = {
+        "s": gather(s_out.to_local(), "single"),
+        "z": gather(z_out.to_local(), "pair"),
+        "ds": gather(sl.grad, "single"),
+        "dz": gather(zl.grad, "pair"),
+    }
+    if grid.rank != 0:
+        return mine
+    serial = serial.to(device)
+    ss, zs = full["s"].clone().requires_grad_(True), full["z"].clone().requires_grad_(True)
+
+    def ser_fwd() -> Any:
+        held.append(serial(ss, zs, full["mask"], full["pair_mask"]))
+        return held[-1]
+
+    def ser_bwd(out: Any) -> None:
+        torch.autograd.backward(list(out), [full["gs"], full["gz"]])
+
+    ser = measure(ser_fwd, ser_bwd, device)
+    s_ref, z_ref = (t.detach() for t in held.pop())
+    cp_grads = dict(cp.named_parameters())
+    mine.update(
+        err_out=max((got["s"] - s_ref).abs().max().item(), (got["z"] - z_ref).abs().max().item()),
+        err_in=max((got["ds"] - ss.grad).abs().max().item(), (got["dz"] - zs.grad).abs().max().item()),
+        err_par=max((p.grad - cp_grads[k].grad).abs().max().item() for k, p in serial.named_parameters()),
+        ref_scale=max(s_ref.abs().max().item(), z_ref.abs().max().item()),
+        serial_saved=ser["saved_bytes"],
+        serial_peak=ser["peak_bytes"],
+        serial_rss_peak=ser["rss_peak_bytes"],
+        serial_seconds=ser["seconds"],
+    )
+    return mine
+
+
+def summarise(
+    tokens: int,
+    shape: tuple[int, int],
+    cfg: dict[str, Any],
+    a: argparse.Namespace,
+    ranks: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The JSON object: ``twinshard bench pair``'s keys (op ``pairformer``) plus the trunk's."""
+    P = shape[0] * shape[1]
+    item = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
+    lower = 2 * cfg["layers"] * 2 * cfg["batch"] * tokens * tokens * cfg["pair"] / math.sqrt(P) * item
+    r0 = ranks[0]
+    saved = [r["saved"] for r in ranks]
+    comm = [r["comm_fwd"] for r in ranks]
+    serial_saved = r0.get("serial_saved")
+    return {
+        "op": "pairformer",
+        "grid": f"{shape[0]}x{shape[1]}",
+        "tokens": tokens,
+        "dtype": a.dtype,
+        "padded_tokens": r0["padded_tokens"],
+        "channels": cfg["pair"],
+        "hidden": cfg["pair_head_width"] * cfg["pair_heads"],
+        "sequences": None,
+        "batch": cfg["batch"],
+        "schedule": schedule_name(shape),
+        "layers": cfg["layers"],
+        "single_channels": cfg["single"],
+        "heads": cfg["heads"],
+        "pair_head_width": cfg["pair_head_width"],
+        "pair_heads": cfg["pair_heads"],
+        "checkpointing": cfg["checkpointing"],
+        "train_step": False,
+        "check_serial": serial_saved is not None,
+        "max_abs_error_out": r0.get("err_out"),
+        "max_abs_error_grad_inputs": r0.get("err_in"),
+        "max_abs_error_grad_params": r0.get("err_par"),
+        "reference_max_abs_out": r0.get("ref_scale"),
+        "saved_bytes_per_rank": saved,
+        "serial_saved_bytes": serial_saved,
+        "saved_ratio_vs_serial_over_p": max(saved) / (serial_saved / P) if serial_saved else None,
+        "peak_memory_bytes_per_rank": [r["peak"] for r in ranks],
+        "serial_peak_memory_bytes": r0.get("serial_peak"),
+        "peak_rss_bytes_per_rank": [r["rss_peak"] for r in ranks],
+        "rss_reset_per_rank": [r["rss_reset"] for r in ranks],
+        "rss_source": r0["rss_source"],
+        "serial_peak_rss_bytes": r0.get("serial_rss_peak"),
+        "comm_bytes_model": BYTES_MODEL,
+        "comm_bytes_per_rank": comm,
+        "comm_bytes_sent_per_rank": [r["comm_fwd_sent"] for r in ranks],
+        "comm_bytes_recv_per_rank": [r["comm_fwd_recv"] for r in ranks],
+        "comm_backward_bytes_per_rank": [r["comm_bwd"] for r in ranks],
+        "ledger_bytes_per_rank": [r["comm_fwd"] + r["comm_bwd"] for r in ranks],
+        "comm_lower_bound_bytes": lower,
+        "comm_ratio_vs_lower_bound": max(comm) / lower if P > 1 else 0.0,
+        "seconds_per_rank": [r["seconds"] for r in ranks],
+        "serial_seconds": r0.get("serial_seconds"),
+    }
+
+
+def config(a: argparse.Namespace) -> dict[str, Any]:
+    cfg = {
+        "single": a.single_channels,
+        "pair": a.pair_channels,
+        "heads": a.heads,
+        "pair_head_width": a.pair_head_width,
+        "pair_heads": a.pair_heads,
+        "layers": a.layers,
+        "batch": a.batch,
+        "checkpointing": bool(a.checkpointing),
+    }
+    for k, v in cfg.items():
+        if k != "checkpointing" and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}")
+    if cfg["single"] % cfg["heads"]:
+        raise ValueError(f"--single-channels {cfg['single']} must be a multiple of --heads {cfg['heads']}")
+    return cfg
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the trunk (spawning rows x cols local ranks unless already in such a world)."""
+    shape = parse_grid(args.grid)
+    if args.tokens < 1:
+        raise ValueError("--tokens must be positive")
+    if getattr(args, "train_step", False):
+        raise ValueError(
+            "--train-step is not wired into `twinshard trunk` yet (the step itself is "
+            "twinshard.pair.train.train_step, tested in tests/pair/test_train_step.py); run without it "
+            "for forward + backward of the stack"
+        )
+    cfg = config(args)
+    call = (args.tokens, shape, cfg, args.dtype, bool(args.check_serial), args.seed)
+    world = get_world()
+    if world is not None and world.size == shape[0] * shape[1]:
+        mine = trunk_rank(*call)
+        ranks: list[Any] = [None] * world.size
+        torch.distributed.all_gather_object(ranks, mine)  # bookkeeping, outside every ledger
+    else:
+        ranks = shared_pool().run(trunk_rank, shape[0] * shape[1], *call, timeout=args.timeout)
+    result = summarise(args.tokens, shape, cfg, args, ranks)
+    if world is not None and world.size == shape[0] * shape[1] and world.rank != 0:
+        return result
+    if not getattr(args, "json", False):
+        for k, v in result.items():
+            if not isinstance(v, list):
+                print(f"{k:32s} {v}")
+        print(f"{'peak_memory_bytes_per_rank':32s} {result['peak_memory_bytes_per_rank']}")
+    print(json.dumps(result))
+    return result

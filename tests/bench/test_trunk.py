@@ -1,0 +1,108 @@
+"""``twinshard trunk``: a random-weight CP Pairformer stack against serial, measured (small N).
+
+- ``test_trunk_json_matches_serial``: on a 2x2 grid with uneven N (padding) the CP stack's output,
+  input gradients and every parameter gradient equal the serial stack's at fp64 round-off (with and
+  without activation checkpointing), and the JSON carries the keys of ``twinshard bench pair``
+  plus ``layers``, per-rank memory (tensors and resident), saved and ledger bytes, all positive.
+- ``test_trunk_option_errors``: ``--train-step`` (not wired in) and a bad grid end with a one-line
+  error (exit 2), no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from twinshard.cli import main
+
+BENCH_PAIR_KEYS = {
+    "op",
+    "grid",
+    "tokens",
+    "dtype",
+    "padded_tokens",
+    "channels",
+    "hidden",
+    "sequences",
+    "batch",
+    "schedule",
+    "max_abs_error_out",
+    "max_abs_error_grad_inputs",
+    "max_abs_error_grad_params",
+    "saved_bytes_per_rank",
+    "serial_saved_bytes",
+    "saved_ratio_vs_serial_over_p",
+    "peak_memory_bytes_per_rank",
+    "serial_peak_memory_bytes",
+    "peak_rss_bytes_per_rank",
+    "rss_reset_per_rank",
+    "rss_source",
+    "serial_peak_rss_bytes",
+    "comm_bytes_model",
+    "comm_bytes_per_rank",
+    "comm_bytes_sent_per_rank",
+    "comm_bytes_recv_per_rank",
+    "comm_backward_bytes_per_rank",
+    "comm_lower_bound_bytes",
+    "comm_ratio_vs_lower_bound",
+    "seconds_per_rank",
+    "serial_seconds",
+}
+SMALL = [
+    "--single-channels",
+    "8",
+    "--pair-channels",
+    "4",
+    "--heads",
+    "2",
+    "--pair-head-width",
+    "2",
+    "--pair-heads",
+    "2",
+]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_trunk_json_matches_serial(checkpointing, capsys):
+    argv = [
+        "trunk",
+        "--tokens",
+        "7",
+        "--grid",
+        "2x2",
+        "--layers",
+        "2",
+        "--check-serial",
+        "--dtype",
+        "float64",
+    ]
+    argv += SMALL + ["--json"] + (["--checkpointing"] if checkpointing else [])
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert BENCH_PAIR_KEYS <= set(out), sorted(BENCH_PAIR_KEYS - set(out))
+    assert out["op"] == "pairformer" and out["layers"] == 2 and out["padded_tokens"] == 8
+    assert out["checkpointing"] is checkpointing
+    scale = out["reference_max_abs_out"]
+    assert scale > 0.1
+    for k in ("max_abs_error_out", "max_abs_error_grad_inputs"):
+        assert out[k] < 1e-12 * scale, (k, out[k])
+    assert out["max_abs_error_grad_params"] < 1e-11 * scale  # sums over every pair entry
+    for k in (
+        "saved_bytes_per_rank",
+        "peak_memory_bytes_per_rank",
+        "peak_rss_bytes_per_rank",
+        "ledger_bytes_per_rank",
+    ):
+        assert len(out[k]) == 4 and all(v > 0 for v in out[k]), (k, out[k])
+    assert out["serial_saved_bytes"] > 0 and out["serial_peak_memory_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [(["--train-step"], "--train-step is not wired"), (["--grid", "2by2"], "grid must look like")],
+)
+def test_trunk_option_errors(extra, message, capsys):
+    assert main(["trunk", "--tokens", "5", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
