@@ -137,20 +137,26 @@ class _Fetch:
         sends: dict[int, list[torch.Tensor]] = defaultdict(list)
         self.recv_plan: dict[int, list[tuple[int, Range, Range]]] = defaultdict(list)
         dtype = ops[0].tile.dtype
+        # A piece wanted by several peers (a SUMMA row or column broadcast) is made contiguous
+        # once and the same buffer is sent to each of them: no per-peer copies.
+        flat: dict[tuple[int, Range, Range], torch.Tensor] = {}
         for i, (x, want) in enumerate(zip(ops, wants)):
             (r0, r1), (c0, c1) = x.owned(grid, me)
             for peer in range(grid.size):
                 pr, pc = want(peer)
                 ir, ic = _inter((r0, r1), pr), _inter((c0, c1), pc)
                 if ir and ic:
-                    piece = x.tile[:, ir[0] - r0 : ir[1] - r0, ic[0] - c0 : ic[1] - c0]
-                    sends[peer].append(piece.reshape(-1))
+                    if (i, ir, ic) not in flat:
+                        piece = x.tile[:, ir[0] - r0 : ir[1] - r0, ic[0] - c0 : ic[1] - c0]
+                        flat[(i, ir, ic)] = piece.to(dtype).contiguous().view(-1)
+                    sends[peer].append(flat[(i, ir, ic)])
             for peer in range(grid.size):
                 orr, oc = x.owned(grid, peer)
                 ir, ic = _inter(orr, self.mine[i][0]), _inter(oc, self.mine[i][1])
                 if ir and ic:
                     self.recv_plan[peer].append((i, ir, ic))
-        send_list = [(p, torch.cat(v).to(dtype)) for p, v in sorted(sends.items())]
+        send_list = [(p, v[0] if len(v) == 1 else torch.cat(v)) for p, v in sorted(sends.items())]
+        del flat
         recv_list = [
             (p, (sum(self._numel(i, ir, ic) for i, ir, ic in plan),))
             for p, plan in sorted(self.recv_plan.items())
@@ -167,11 +173,21 @@ class _Fetch:
 
     def wait(self) -> list[torch.Tensor]:
         bufs = self._pending.wait()
-        outs = []
-        for x, ((r0, r1), (c0, c1)) in zip(self.ops, self.mine):
-            t = x.tile
-            outs.append(t.new_empty((t.shape[0], r1 - r0, c1 - c0) + tuple(t.shape[3:])))
+        outs: list[torch.Tensor | None] = []
+        whole = {}  # operand i delivered whole by one peer: its buffer is the tile (no copy)
         for peer, buf in zip(self._peers, bufs):
+            plan = self.recv_plan[peer]
+            if len(plan) == 1:
+                i, ir, ic = plan[0]
+                if (ir, ic) == self.mine[i] and buf.dtype == self.ops[i].tile.dtype:
+                    whole[i] = buf  # the whole wanted range comes from this one peer
+        for i, (x, ((r0, r1), (c0, c1))) in enumerate(zip(self.ops, self.mine)):
+            t = x.tile
+            shape = (t.shape[0], r1 - r0, c1 - c0) + tuple(t.shape[3:])
+            outs.append(whole[i].view(shape) if i in whole else t.new_empty(shape))
+        for peer, buf in zip(self._peers, bufs):
+            if any(buf is w for w in whole.values()):
+                continue
             off = 0
             for i, ir, ic in self.recv_plan[peer]:
                 n = self._numel(i, ir, ic)
@@ -179,7 +195,7 @@ class _Fetch:
                 dst = outs[i][:, ir[0] - r0 : ir[1] - r0, ic[0] - c0 : ic[1] - c0]
                 dst.copy_(buf[off : off + n].view(dst.shape))
                 off += n
-        return outs
+        return outs  # type: ignore[return-value]
 
 
 def grid_matmul(
