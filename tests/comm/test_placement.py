@@ -88,6 +88,68 @@ def test_planted_host_payload_is_named():
         run_on_world(_md_steps, 2, True)
 
 
+def _on_host(build):
+    """A module as a GPU run's user builds it: on the host (here ``meta``), movable to the world's
+    device with ``.to(world.device)`` (here: restored from a real CPU copy built beside it)."""
+    torch.set_default_device(None)
+    try:
+        real = build()
+    finally:
+        torch.set_default_device("meta")
+    host = build()  # parameters and buffers on meta: unusable until moved
+
+    class OnHost(type(host)):
+        def _apply(self, fn, recurse=True):
+            if fn(torch.zeros((), device="cpu")).device.type == "cpu":
+                self.__dict__.update(real.__dict__)
+                return self
+            return super()._apply(fn, recurse)
+
+    host.__class__ = OnHost
+    return host
+
+
+def _whole_md_rank_and_run_md(tmp):
+    """``twinshard md``'s md_rank and ``run_md`` end to end (setup broadcasts, scatter, Langevin
+    steps with a trajectory and a checkpoint, final stress, json arrays, stats gather) with the
+    host elsewhere: a payload or potential left off the world's device fails here."""
+    import twinshard.atoms as ta
+    from twinshard.atoms import driver
+    from twinshard.atoms.structures import fcc_argon
+
+    world = get_world()
+    system = fcc_argon(3, rattle=0.05, seed=1)  # 108 atoms, built on the host before the check
+    system.velocities = ta.maxwell_boltzmann(system.masses, system.ids, 300.0, seed=1)
+    saved = driver.load_structure, driver.potential_from_config
+    build_potential = driver.potential_from_config
+    driver.load_structure = lambda cfg: system.clone()
+    driver.potential_from_config = lambda cfg, species: _on_host(lambda: build_potential(cfg, species))
+    cfg = driver.MDConfig(
+        steps=3, dt=4.0, thermostat="langevin", temperature=300.0, friction=0.05, cutoff=5.0, skin=0.5,
+        thermo_every=1, trajectory=f"{tmp}/md.extxyz", trajectory_every=2, checkpoint=f"{tmp}/md.pt",
+        checkpoint_every=2, json_arrays=True,
+    )  # fmt: skip
+    try:
+        with CommLedger() as ledger, _host_is_elsewhere():
+            res = driver.md_rank(cfg)
+            out = ta.run_md(
+                system, _on_host(lambda: ta.LennardJones(cutoff=5.0)), steps=3, thermostat="langevin",
+                temperature=300.0, friction=0.05, dt=4.0, skin=0.5, thermo_every=1,
+            )  # fmt: skip
+    finally:
+        driver.load_structure, driver.potential_from_config = saved
+    assert ledger.calls > 0
+    if world.rank != 0:
+        return None
+    return res["atoms"], res["final_potential"], out.system.n_atoms, out.thermo.rows[-1]["potential"]
+
+
+def test_whole_md_rank_and_run_md_keep_payloads_and_potential_on_the_world_device(tmp_path):
+    res = run_on_world(_whole_md_rank_and_run_md, 2, str(tmp_path))
+    atoms, e_md, n, e_api = res[0]
+    assert atoms == n == 108 and e_md == e_api  # the two entry points ran the same trajectory
+
+
 def _pair_twins():
     from twinshard.pair.demo import _modules
     from twinshard.pair.features import PairLayout, collect_tensor, shard_tensor

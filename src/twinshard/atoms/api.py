@@ -236,7 +236,7 @@ def _md_rank(
 
     world = require_world("twinshard.atoms.run_md")
     rank = world.rank
-    resume = torch.zeros(2, dtype=torch.float64)
+    resume = torch.zeros(2, dtype=torch.float64, device=world.device)
     mine: System | None = None
     with agree_step("run_md: check the inputs"):
         if opts["steps"] < 0:
@@ -264,7 +264,7 @@ def _md_rank(
     sharded = ShardedSystem.scatter(
         mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"], partition=opts["partition"]
     )
-    dp = DistributedPotential(potential)
+    dp = DistributedPotential(potential.to(world.device))
     engine = DistributedEngine(sharded, dp)
     out = simulate(
         engine,

@@ -58,7 +58,7 @@ def evaluate_distributed(
     sharded = ShardedSystem.scatter(
         system, src, cutoff=float(potential.cutoff), skin=skin, group=group, partition=partition
     )
-    res = DistributedPotential(potential).compute(sharded)
+    res = DistributedPotential(potential.to(sharded.positions.device)).compute(sharded)
     counts = sharded.counts()
     ids = prim.all_gather(sharded.ids.contiguous(), 0, group, counts, op="calculator")
     rows = torch.cat([res.per_atom[:, None], res.forces], dim=1).contiguous()
@@ -123,9 +123,9 @@ class TwinshardCalculator(Calculator):
             world = get_world()
             mine = system if world is not None and world.rank == self.src else None
             res = evaluate_distributed(self.potential, mine, self.src, self.skin)
-            order = torch.argsort(system.ids)  # results come sorted by id
+            order = torch.argsort(system.ids).to(res.forces.device)  # results come sorted by id
             inv = torch.empty_like(order)
-            inv[order] = torch.arange(order.numel())
+            inv[order] = torch.arange(order.numel(), device=order.device)
             per_atom, forces = res.per_atom[inv], res.forces[inv]
         else:
             res = evaluate(self.potential, system)

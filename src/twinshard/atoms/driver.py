@@ -239,7 +239,7 @@ def ghost_shell_estimate(
     if volume == 0:
         return float("nan")
     heights = cell_heights(c).tolist()
-    pbc_l = [bool(p) for p in torch.as_tensor(pbc).tolist()]
+    pbc_l = [bool(p) for p in (pbc.tolist() if torch.is_tensor(pbc) else list(pbc))]
     p = math.prod(grid)
     frac = 1.0
     for a in range(3):
@@ -351,8 +351,9 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     world = require_world("twinshard md")
     rank, nranks = world.rank, world.size
     system: System | None = None
-    mask = torch.zeros(119, dtype=torch.int64)
-    resume = torch.zeros(2, dtype=torch.float64)  # [start step, bath heat so far]
+    dev = world.device  # every collective payload and per-atom tensor lives here
+    mask = torch.zeros(119, dtype=torch.int64, device=dev)
+    resume = torch.zeros(2, dtype=torch.float64, device=dev)  # [start step, bath heat so far]
     with agree_step("md: load the structure and check the options"):
         integ = make_integrator(cfg)  # option errors surface on every rank
         if cfg.steps < 0:
@@ -372,13 +373,13 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
                 resume[0], resume[1] = float(state["step"]), float(state["heat"])
             else:
                 system = load_structure(cfg)
-            mask[system.numbers.unique()] = 1
+            mask[system.numbers.unique().to(dev)] = 1
     mask = prim.broadcast(mask, 0, None, op="md_setup")
     resume = prim.broadcast(resume, 0, None, op="md_setup")
     start_step, heat0 = int(resume[0]), float(resume[1])
     species = torch.nonzero(mask).flatten().tolist()
     with agree_step("md: build the potential"):
-        potential = potential_from_config(cfg, species)
+        potential = potential_from_config(cfg, species).to(dev)  # e.g. the LJ species table
     sharded = ShardedSystem.scatter(
         system, 0, cutoff=float(potential.cutoff), skin=cfg.skin, partition=cfg.partition
     )
@@ -448,8 +449,9 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
             ]
         ],
         dtype=torch.float64,
+        device=dev,
     )
-    stats = prim.all_gather(stats, 0, None, op="md_stats")
+    stats = prim.all_gather(stats, 0, None, op="md_stats").cpu()
     if rank != 0:
         return {"rank": rank}
     assert all_ids is not None and final is not None

@@ -73,7 +73,7 @@ def peak_memory_during(fn: Callable[[], Any], device: torch.device) -> tuple[Any
     with _quiet_fd2():  # kineto prints start/stop markers straight to fd 2
         prof.__enter__()
     try:
-        sentinel = torch.empty(_SENTINEL_BYTES, dtype=torch.uint8)
+        sentinel = torch.empty(_SENTINEL_BYTES, dtype=torch.uint8, device=device)
         del sentinel
         out = fn()
     finally:
