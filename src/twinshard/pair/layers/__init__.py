@@ -6,10 +6,12 @@ Inputs and outputs are DTensors at the placements of ``twinshard.tensors.dtensor
 """
 
 from twinshard.pair.layers.attention import CPAttentionPairBias
+from twinshard.pair.layers.distogram import CPDistogramHead
 from twinshard.pair.layers.dropout import CPDropout
 from twinshard.pair.layers.linear import CPLinear
 from twinshard.pair.layers.norm import CPLayerNorm
 from twinshard.pair.layers.outer_product import CPOuterProductMean
+from twinshard.pair.layers.pairformer import CPPairformerLayer, CPPairformerStack
 from twinshard.pair.layers.tokenwise import TokenwiseTwin, grad_group, pointwise, replicated_params
 from twinshard.pair.layers.transition import CPTransition
 from twinshard.pair.layers.triangle import (
@@ -25,10 +27,13 @@ from twinshard.pair.layers.triangle_attention import (
 
 __all__ = [
     "CPAttentionPairBias",
+    "CPDistogramHead",
     "CPDropout",
     "CPLayerNorm",
     "CPLinear",
     "CPOuterProductMean",
+    "CPPairformerLayer",
+    "CPPairformerStack",
     "CPTransition",
     "CPTriangleAttention",
     "CPTriangleAttentionEndingNode",
