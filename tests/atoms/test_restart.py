@@ -221,3 +221,37 @@ def _kill_writer(path, mode):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_restart_drops_trajectory_frames_past_the_checkpoint(tmp_path):
+    """A killed run leaves frames past its last checkpoint; the restart drops them before appending,
+    so every step appears once (frames carry ``step=``), and the resumed frames equal the first run's."""
+    import shutil
+
+    import ase.io
+
+    from twinshard.atoms.md import SerialEngine, simulate
+    from twinshard.atoms.potentials import LennardJones
+
+    pot = LennardJones(cutoff=5.0)
+    traj, ck, ck4 = tmp_path / "t.extxyz", tmp_path / "ck.pt", tmp_path / "ck4.pt"
+
+    def run(system, steps, start=0, heat=0.0):
+        engine = SerialEngine(pot, system, skin=0.6)
+        simulate(
+            engine, VelocityVerlet(4.0), steps, trajectory=str(traj), trajectory_every=2,
+            checkpoint=str(ck), checkpoint_every=4, start_step=start, heat=heat,
+        )  # fmt: skip
+
+    start = random_packing(40, seed=3)
+    run(start, 4)  # frames 0, 2, 4 and the checkpoint at step 4
+    shutil.copy(ck, ck4)
+    state = load_checkpoint(str(ck4))
+    run(state["system"], 10, 4, state["heat"])  # the "killed" run: frames 6, 8, 10 past step 4
+    first = ase.io.read(traj, index=":")
+    assert [a.info["step"] for a in first] == [0, 2, 4, 6, 8, 10]
+    run(state["system"], 8, 4, state["heat"])  # restarted from step 4 again, up to 8
+    frames = ase.io.read(traj, index=":")
+    assert [a.info["step"] for a in frames] == [0, 2, 4, 6, 8]
+    for a, b in zip(frames, first[:5]):
+        assert (a.positions == b.positions).all()

@@ -78,17 +78,22 @@ def write(
     format: str | None = None,
     append: bool = False,
     wrap: bool = False,
+    info: dict[str, Any] | None = None,
     **properties: Any,
 ) -> None:
     """Write one system or a list of frames through ``ase.io.write``.
 
     ``properties`` (e.g. ``energy=``, ``forces=``) are attached to a single
-    frame through a SinglePointCalculator, so extxyz stores them.
+    frame through a SinglePointCalculator, so extxyz stores them; ``info``
+    (e.g. ``{"step": 10}``) goes to every frame's ``atoms.info`` (the extxyz
+    comment line).
     """
     import ase.io
 
     frames = [systems] if isinstance(systems, System) else list(systems)
     atoms = [s.to_ase(wrap=wrap) for s in frames]
+    for a in atoms:
+        a.info.update(info or {})
     if properties:
         if len(atoms) != 1:
             raise ValueError("properties can only be attached when writing one frame")

@@ -365,6 +365,8 @@ def simulate(
     log = ThermoLog(engine.n_atoms, path=thermo_path if engine.rank == 0 else None)
     if start_step > 0:
         log.resume(start_step)
+        if trajectory is not None and engine.rank == 0:
+            truncate_trajectory(trajectory, start_step)
     # Heat this rank's atoms exchanged with the bath so far; summed over ranks only when logged
     # (a sum of local sums), so a thermostat adds no collective to unlogged steps. A restart
     # carries the global sum so far on rank 0.
@@ -393,7 +395,9 @@ def simulate(
         if frame is not None and engine.rank == 0:
             from twinshard.atoms.io import write
 
-            write(trajectory, frame, format="extxyz", append=step > 0, energy=float(energy))
+            write(
+                trajectory, frame, format="extxyz", append=step > 0, info={"step": step}, energy=float(energy)
+            )
 
     def write_checkpoint(step: int) -> None:
         _, h = global_sums()  # collective
@@ -445,6 +449,23 @@ def simulate(
         "heat": last_heat[0],  # the last step is always logged
         "step": steps,
     }
+
+
+def truncate_trajectory(path: str | os.PathLike, step: int) -> None:
+    """Keep the frames of an extxyz trajectory up to ``step`` (each frame carries ``step=`` in its
+    info): frames a killed run wrote after its last checkpoint are dropped before a restart
+    appends. Frames without a step (files of other writers) are kept. Rewritten atomically."""
+    if not os.path.exists(path):
+        return
+    import ase.io
+
+    frames = ase.io.read(os.fspath(path), index=":", format="extxyz")
+    keep = [a for a in frames if int(a.info.get("step", -1)) <= step]
+    if len(keep) == len(frames):
+        return
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+    ase.io.write(tmp, keep, format="extxyz")
+    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------ checkpoints
