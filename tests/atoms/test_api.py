@@ -188,6 +188,7 @@ def test_calculator_in_ase_dynamics_and_run_md_under_torchrun(tmp_path):
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]  # the group is destroyed at exit
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert len(lines) == 1  # rank 0 only
     out = json.loads(lines[0][7:])

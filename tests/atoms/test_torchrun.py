@@ -1,4 +1,5 @@
-"""``twinshard md`` under torchrun joins the launched world (init_world) instead of spawning ranks."""
+"""``twinshard md`` under torchrun joins the launched world (init_world) instead of spawning ranks, and
+exits cleanly (code 0, no "terminate called" abort from a process group left to interpreter exit)."""
 
 import json
 import os
@@ -33,6 +34,8 @@ def test_md_under_torchrun_uses_the_launched_world():
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    # every rank destroyed its process group before exit (no gloo teardown abort at finalization)
+    assert "terminate called" not in out.stderr, out.stderr[-3000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1  # only rank 0 prints
     res = json.loads(lines[0])
