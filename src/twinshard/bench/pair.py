@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from twinshard.bench.pair_ops import TRUNK_OPS, bench_rank_op, lower_bound_bytes
 from twinshard.comm import CommLedger
 from twinshard.comm.ledger import BYTES_MODEL
 from twinshard.pair.layers.contraction import schedule_name
@@ -43,7 +44,7 @@ from twinshard.tensors.memory import RssWindow, peak_memory_during
 
 __all__ = ["OPS", "add_parser", "bench_rank", "measure", "parse_grid", "run"]
 
-OPS = ("trimul-out", "trimul-in", "opm")
+OPS = ("trimul-out", "trimul-in", "opm") + TRUNK_OPS  # the trunk ops: twinshard.bench.pair_ops
 
 
 def parse_grid(text: str) -> tuple[int, int]:
@@ -58,7 +59,10 @@ def parse_grid(text: str) -> tuple[int, int]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``pair`` under ``twinshard bench``."""
-    p = subparsers.add_parser("pair", help="CP triangle multiplication / outer product mean vs serial")
+    p = subparsers.add_parser(
+        "pair",
+        help="a CP pair op vs serial (trimul, OPM, triangle attention, attention with pair bias, Pairformer)",
+    )
     p.add_argument("--op", choices=OPS, default="trimul-out")
     p.add_argument("--tokens", type=int, default=24, help="N (any value; padded internally)")
     p.add_argument("--grid", default="2x2", help="rows x cols process grid, e.g. 2x2, 2x3")
@@ -158,6 +162,8 @@ def bench_rank(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Run on every rank of a world of rows x cols ranks; returns this rank's figures."""
+    if op in TRUNK_OPS:  # triangle attention, attention with pair bias, the Pairformer layer
+        return bench_rank_op(op, tokens, grid_shape, dtype_name, channels, hidden, sequences, batch, seed)
     from twinshard.tensors.dtensor import (
         MSA,
         PAIR,
@@ -252,6 +258,8 @@ def _summarise(
         lower = 2 * a.batch * a.sequences * tokens * a.hidden / math.sqrt(P) * item
     else:
         lower = 2 * a.batch * tokens * tokens * a.hidden / math.sqrt(P) * item
+    if op in TRUNK_OPS:
+        lower = lower_bound_bytes(op, a.batch, tokens, a.channels, a.hidden, P, item)
     r0 = ranks[0]
     saved = [r["saved"] for r in ranks]
     comm = [r["comm_fwd"] for r in ranks]
