@@ -56,6 +56,7 @@ from test_boltz_reference import boltz_fp64, boltz_uses_our_masks  # noqa: E402,
 
 from twinshard.pair.features import PairLayout, collect_grad, collect_tensor, real_part, shard_tensor  # noqa: E402
 from twinshard.pair.interop.boltz import cp_twin_of  # noqa: E402
+from twinshard.pair.reference import Dropout, PairformerLayer, PairformerStack, assign_dropout_streams  # noqa: E402
 from twinshard.testing import (  # noqa: E402
     TwinResult,
     assert_parity,
@@ -80,6 +81,7 @@ ANALYTIC_ZERO = "proj_z.0.bias"
 GRIDS = [((2, 2), 7, 2), ((2, 3), 9, 1), ((3, 3), 7, 1)]
 PARTS = ("trimul-out", "trimul-in", "triatt-start", "triatt-end", "attn-pair-bias", "opm", "transition")
 GRAD_SEED = 5
+TIMEOUT = 900.0  # seconds per grid run: 9 ranks on a loaded 2-core machine take minutes
 
 
 # -- cases: the Boltz module, its inputs (name -> (tensor, kind)), masks and the call ------------
@@ -264,7 +266,39 @@ def _boltz_runner(boltz_fp64):  # noqa: F811
 
 @pytest.mark.parametrize("grid,n,b", GRIDS, ids=[f"{grid_id(g)}-N{n}" for g, n, _ in GRIDS])
 def test_parts_vs_boltz(grid, n, b, boltz_fp64):  # noqa: F811
-    ranks = run_on_grid(_rank_parts, grid, PARTS, b, n)
+    ranks = run_on_grid(_rank_parts, grid, PARTS, b, n, timeout=TIMEOUT)
     run = _boltz_runner(boltz_fp64)
     for part in PARTS:
+        check_part(part, grid, b, n, [r[part] for r in ranks], run)
+
+
+# -- the Pairformer layer and stack --------------------------------------------------------------
+TRUNKS = ("layer", "layer-dropout", "stack2", "stack2-dropout")
+
+
+def serial_sites(part: str) -> list[Dropout]:
+    """The serial reference's dropout sites of the same layer / stack, in Boltz's call order:
+    the masks the serial model (and so, by global index, the twin) draws."""
+    dropout = 0.25 if part.endswith("dropout") else 0.0
+    kw = dict(num_heads=2, dropout=dropout, pairwise_head_width=2, pairwise_num_heads=2)
+    if part.startswith("layer"):
+        ref = PairformerLayer(CS, CZ, **kw)
+        assign_dropout_streams(ref)
+    else:
+        ref = PairformerStack(CS, CZ, 2, **kw)
+    return [m for m in ref.modules() if isinstance(m, Dropout)]
+
+
+@pytest.mark.parametrize("grid,n,b", GRIDS, ids=[f"{grid_id(g)}-N{n}" for g, n, _ in GRIDS])
+def test_pairformer_vs_boltz(grid, n, b, boltz_fp64, monkeypatch):  # noqa: F811
+    ranks = run_on_grid(_rank_parts, grid, TRUNKS, b, n, timeout=TIMEOUT)
+    for part in TRUNKS:
+        sites = serial_sites(part)
+        assert len(sites) == (4 if part.startswith("layer") else 8)
+
+        def run(part, module, leaves, masks, sites=sites):
+            module.train()
+            with boltz_fp64(), boltz_uses_our_masks(monkeypatch, sites, DROPOUT_SEED):
+                return module(leaves["s"], leaves["z"], masks["mask"], masks["pair_mask"])
+
         check_part(part, grid, b, n, [r[part] for r in ranks], run)
