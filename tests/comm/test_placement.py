@@ -203,3 +203,17 @@ def test_check_is_off_outside_the_context():
     check_payload("probe", torch.ones(1, device="meta"))
     with check_placement("meta"), pytest.raises(PlacementError, match="is on cpu"):
         check_payload("probe", torch.ones(1))
+
+
+def _comm_selftest_rows():
+    from twinshard.comm.adjoint import demo_rows
+
+    with CommLedger() as ledger, _host_is_elsewhere():
+        rows = demo_rows()
+    assert ledger.calls > 0
+    return [r["max_abs_error"] for r in rows]
+
+
+def test_selftest_comm_rows_build_their_tensors_on_the_world_device():
+    errs = run_on_world(_comm_selftest_rows, 4)
+    assert len(errs[0]) == 6 and max(errs[0]) < 1e-12

@@ -26,7 +26,8 @@ def adjoint_pair(
     linear in x). Every rank gets the same pair. Collectives: f's, then one all-reduce."""
     x = x.detach().clone().requires_grad_(True)
     y = f(x)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype).to(y.device)
+    gen = torch.Generator().manual_seed(seed)  # a host draw: the same numbers on any device
+    dy = torch.randn(y.shape, generator=gen, dtype=y.dtype, device=gen.device).to(y.device)
     (gx,) = torch.autograd.grad(y, x, dy)
     sums = torch.stack([(dy * y).sum(), (gx * x).sum()]).detach().to(torch.float64)
     sums = P.all_reduce(sums, group, op="adjoint_pair")
@@ -36,10 +37,13 @@ def adjoint_pair(
 def demo_rows() -> list[dict[str, Any]]:
     """Foundation section of ``twinshard demo`` (every rank of a 4-rank world): the adjoint gap
     |<dy, f(x)> - <f*(dy), x>| of each comm op on a 2 x 2 grid, and the bytes each rank moved."""
+    from twinshard.runtime import require_world
+
+    dev = require_world("comm demo rows").device  # inputs and payloads on the world's device
     grid = make_grid((2, 2))
     r = grid.rank
     gen = torch.Generator().manual_seed(10 + r)
-    x = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    x = torch.randn(3, 5, generator=gen, dtype=torch.float64, device=gen.device).to(dev)
     splits = [(r + s) % 3 for s in range(grid.size)]  # symmetric, uneven, with empty messages
     cases: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = {
         "all_reduce (world)": (ops.all_reduce, x),
@@ -47,7 +51,7 @@ def demo_rows() -> list[dict[str, Any]]:
         "reduce_scatter dim 0 (col, uneven)": (lambda t: ops.reduce_scatter(t, 0, grid.col_group, [1, 2]), x),
         "all_to_all (uneven splits)": (
             lambda t: ops.all_to_all(t, splits, splits),
-            torch.randn(sum(splits), 5, generator=gen, dtype=torch.float64),
+            torch.randn(sum(splits), 5, generator=gen, dtype=torch.float64, device=gen.device).to(dev),
         ),
         "ring_shift cols k=1": (lambda t: ops.ring_shift(t, grid, "cols", 1), x),
         "grid_transpose": (lambda t: ops.grid_transpose(t, grid), x),
@@ -57,7 +61,9 @@ def demo_rows() -> list[dict[str, Any]]:
         with CommLedger() as led:
             lhs, rhs = adjoint_pair(f, xin, seed=20 + r)
         moved = led.bytes_sent - led.ops["adjoint_pair"].bytes_sent  # the op's own bytes
-        both = P.all_gather(torch.tensor([[abs(lhs - rhs), float(moved)]], dtype=torch.float64), 0)
+        both = P.all_gather(
+            torch.tensor([[abs(lhs - rhs), float(moved)]], dtype=torch.float64, device=dev), 0
+        ).cpu()
         rows.append(
             {
                 "what": f"adjoint <dy,f(x)> = <f*(dy),x>: {name}",
