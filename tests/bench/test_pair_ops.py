@@ -1,0 +1,69 @@
+"""``twinshard bench pair --op triattn-start|triattn-end|attn-pair-bias|pairformer`` and the
+memory/bytes plot (tiny sizes; the figures are measured by the CLI, not here).
+
+- ``test_trunk_ops_match_serial_and_measure``: on a 2x2 grid with uneven N (padding) each op's
+  output, input gradients and every parameter gradient equal serial at fp64 round-off, and the
+  per-rank figures are there: saved bytes below serial's, tensor and resident peaks and ledger
+  bytes (forward and backward) positive.
+- ``test_ops_registered``: ``bench pair`` accepts the new ops.
+- ``test_plot_memory_and_bytes``: the plot is written for results on 1x1 and 2x2.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from twinshard.bench.pair import OPS, add_parser
+from twinshard.bench.pair_ops import TRUNK_OPS, bench_rank_op, plot_memory_and_bytes
+from twinshard.testing import run_on_grid
+
+
+def _rank_ops(grid, n):
+    return {op: bench_rank_op(op, n, tuple(grid.shape), "float64", 4, 2, 6, 1, 0) for op in TRUNK_OPS}
+
+
+def test_trunk_ops_match_serial_and_measure():
+    ranks = run_on_grid(_rank_ops, (2, 2), 7, timeout=900)
+    for op in TRUNK_OPS:
+        rs = [r[op] for r in ranks]
+        for r in rs:
+            assert r["padded_tokens"] == 8
+            assert max(r["err_out"], r["err_in"]) < 1e-12, (op, r["err_out"], r["err_in"])
+            assert r["err_par"] < 1e-11, (op, r["err_par"])  # sums over every pair entry
+            assert 0 < r["saved"] < r["serial_saved"], (op, r["saved"], r["serial_saved"])
+            assert r["peak"] > 0 and r["rss_peak"] > 0 and r["comm_fwd"] > 0 and r["comm_bwd"] > 0, op
+
+
+def test_ops_registered():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    for op in TRUNK_OPS:
+        assert op in OPS
+        assert parser.parse_args(["pair", "--op", op]).op == op
+
+
+def _fake(grid: str, p: int) -> dict:
+    return {
+        "op": "pairformer",
+        "grid": grid,
+        "tokens": 8,
+        "channels": 4,
+        "hidden": 2,
+        "dtype": "float64",
+        "saved_bytes_per_rank": [1000 // p] * p,
+        "peak_memory_bytes_per_rank": [2000 // p] * p,
+        "serial_saved_bytes": 1000,
+        "serial_peak_memory_bytes": 2000,
+        "comm_bytes_per_rank": [0 if p == 1 else 300] * p,
+        "comm_backward_bytes_per_rank": [0 if p == 1 else 600] * p,
+        "comm_lower_bound_bytes": 100.0,
+    }
+
+
+def test_plot_memory_and_bytes(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "mem.png"
+    plot_memory_and_bytes([_fake("2x2", 4), _fake("1x1", 1)], str(path))
+    assert path.stat().st_size > 1000
