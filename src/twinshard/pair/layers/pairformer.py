@@ -284,5 +284,9 @@ class CPPairformerStack(_PlainArgs, nn.Module):
             return s_out.to_local(), z_out.to_local()
 
         # outputs have the inputs' placements and layouts (residual adds keep the first argument's)
-        s_local, z_local = checkpoint(run, s.to_local(), z.to_local(), use_reentrant=False, early_stop=False)
+        # preserve_rng_state=False: dropout is counter-based (keyed by global index), so torch's RNG
+        # state (5 kB a layer on CPU, more on CUDA) need not be saved per checkpointed layer
+        s_local, z_local = checkpoint(
+            run, s.to_local(), z.to_local(), use_reentrant=False, early_stop=False, preserve_rng_state=False
+        )
         return _rebuild(s_local, s), _rebuild(z_local, z)
