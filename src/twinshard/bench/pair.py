@@ -22,6 +22,19 @@ Measurements (per rank, forward + backward of one call):
   ``2 B N^2 h / sqrt(P)`` elements for a triangle multiplication (h = channels of the
   contracted ``a``/``b``) and the analogous ``2 B S N h / sqrt(P)`` for the outer
   product mean (its operands are the S x N MSA projections).
+- ``seconds_median``: forward + backward wall time, ``--repeats`` runs after ``--warmup``
+  runs (a barrier before each), the slowest rank per run, median over runs;
+  ``serial_seconds_median``: the serial module the same way in one process with
+  ``--threads`` intra-op threads (the other ranks wait), i.e. the serial module given the
+  same cores;
+- ``flops_fwd_bwd``: the matmul flops of the module (projections and contraction, backward
+  = 2 x forward), ``achieved_gflops`` (CP) and ``serial_gflops`` against ``matmul_gflops``,
+  a square matmul in the bench dtype measured in one process with ``--threads`` threads on
+  this machine (``*_fraction_of_matmul``: each figure as a fraction of that limit).
+
+``--grid 1x1,2x2,2x3`` runs several grids (the last line is then ``{"runs": [...]}``);
+``--plot FILE.png`` draws time and peak memory per rank against the number of ranks beside
+the ideal curves (serial / P).
 """
 
 from __future__ import annotations
@@ -29,6 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -72,6 +87,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sequences", type=int, default=6, help="MSA depth S (opm)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="timed forward + backward runs (median)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads of the serial yardstick and of the matmul rate (default: min(P, cores))",
+    )
+    p.add_argument("--plot", default=None, help="FILE.png: time and memory per rank against ranks")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.set_defaults(func=run)
     return p
@@ -107,6 +131,48 @@ def measure(
         "rss_source": rss.source,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def matmul_gflops(dtype: torch.dtype, threads: int, size: int = 768, repeats: int = 5) -> float:
+    """This machine's matmul rate (GFLOP/s) in one process with ``threads`` intra-op threads:
+    median of ``repeats`` square ``size`` x ``size`` products after one warm-up."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(size, size, dtype=torch.float64).to(dtype)
+        b = torch.randn(size, size, dtype=torch.float64).to(dtype)
+        out = torch.empty_like(a)
+        torch.mm(a, b, out=out)
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=out)
+            ts.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(saved)
+    return 2 * size**3 / statistics.median(ts) / 1e9
+
+
+def model_flops(op: str, batch: int, tokens: int, seqs: int, channels: int, hidden: int) -> float:
+    """Matmul flops of one forward + backward (backward = 2 x forward) of the serial module."""
+    n, c, h = tokens, channels, hidden
+    if op == "opm":  # proj_a, proj_b on S x N; the s-contraction; proj_o (h^2 -> c) on N x N
+        fwd = 2 * 2 * seqs * n * c * h + 2 * seqs * n * n * h * h + 2 * n * n * h * h * c
+    else:  # p_in, g_in (c -> 2h), p_out (h -> c), g_out (c -> c) per entry; the k-contraction
+        fwd = n * n * (2 * (2 * c * 2 * h) + 2 * h * c + 2 * c * c) + 2 * n**3 * h
+    return 3.0 * batch * fwd
+
+
+def _timed(step: Callable[[], None], warmup: int, repeats: int, sync: Callable[[], None]) -> list[float]:
+    for _ in range(warmup):
+        step()
+    ts = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t0)
+    return ts
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -160,8 +226,14 @@ def bench_rank(
     sequences: int = 6,
     batch: int = 1,
     seed: int = 0,
+    repeats: int = 0,
+    warmup: int = 0,
+    threads: int = 1,
 ) -> dict[str, Any]:
-    """Run on every rank of a world of rows x cols ranks; returns this rank's figures."""
+    """Run on every rank of a world of rows x cols ranks; returns this rank's figures.
+
+    ``repeats`` > 0 adds the timed runs (``seconds_runs``, this rank's; serial and the matmul
+    rate on rank 0 with ``threads`` threads while the others wait)."""
     if op in TRUNK_OPS:  # triangle attention, attention with pair bias, the Pairformer layer
         return bench_rank_op(op, tokens, grid_shape, dtype_name, channels, hidden, sequences, batch, seed)
     from twinshard.tensors.dtensor import (
@@ -225,7 +297,36 @@ def bench_rank(
     err_in = (gin_cp - xs.grad).abs().max().item()
     err_par = max((a.grad - b.grad).abs().max().item() for a, b in zip(serial.parameters(), cp.parameters()))
     f, b_ = fwd_ledger.summary(), bwd_ledger.summary()
+    timing: dict[str, Any] = {"seconds_runs": [], "serial_seconds_runs": [], "matmul_gflops": None}
+    if repeats > 0:
+        import torch.distributed as dist
+
+        sync = dist.barrier if dist.is_initialized() else (lambda: None)
+
+        def cp_step() -> None:
+            cp(xd, md).to_local().backward(gl)
+            xl.grad = None
+            cp.zero_grad(set_to_none=True)
+
+        timing["seconds_runs"] = _timed(cp_step, warmup, repeats, sync)
+        sync()
+        if grid.rank == 0:  # the serial yardstick and the machine's rate, the other ranks idle
+
+            def ser_step() -> None:
+                serial(xs, mask).backward(gout)
+                xs.grad = None
+                serial.zero_grad(set_to_none=True)
+
+            saved_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                timing["serial_seconds_runs"] = _timed(ser_step, warmup, repeats, lambda: None)
+            finally:
+                torch.set_num_threads(saved_threads)
+            timing["matmul_gflops"] = matmul_gflops(dtype, threads)
+        sync()
     return {
+        **timing,
         "err_out": err_out,
         "err_in": err_in,
         "err_par": err_par,
@@ -263,7 +364,7 @@ def _summarise(
     r0 = ranks[0]
     saved = [r["saved"] for r in ranks]
     comm = [r["comm_fwd"] for r in ranks]
-    return {
+    out: dict[str, Any] = {
         "op": op,
         "grid": f"{shape[0]}x{shape[1]}",
         "tokens": tokens,
@@ -296,15 +397,76 @@ def _summarise(
         "seconds_per_rank": [r["seconds"] for r in ranks],
         "serial_seconds": r0["serial_seconds"],
     }
+    # peak tensor memory per rank against serial / P (the 1.3 x target) and the backward's bytes
+    peaks = [r["peak"] for r in ranks if r["peak"] is not None]
+    out["peak_ratio_vs_serial_over_p"] = (
+        max(peaks) / (r0["serial_peak"] / P) if peaks and r0["serial_peak"] else None
+    )
+    out["comm_backward_ratio_vs_lower_bound"] = max(r["comm_bwd"] for r in ranks) / lower if P > 1 else 0.0
+    runs = [max(r["seconds_runs"][i] for r in ranks) for i in range(len(r0["seconds_runs"]))]
+    flops = model_flops(op, a.batch, tokens, a.sequences if op == "opm" else tokens, a.channels, a.hidden)
+    cp_t = statistics.median(runs) if runs else None
+    ser_t = statistics.median(r0["serial_seconds_runs"]) if r0["serial_seconds_runs"] else None
+    rate = r0["matmul_gflops"]
+    out.update(
+        {
+            "repeats": len(runs),
+            "seconds_runs": runs,
+            "seconds_median": cp_t,
+            "serial_threads": getattr(a, "threads_used", None),
+            "serial_seconds_median": ser_t,
+            "cp_over_serial_time": cp_t / ser_t if cp_t and ser_t else None,
+            "flops_fwd_bwd": flops,
+            "achieved_gflops": flops / cp_t / 1e9 if cp_t else None,
+            "serial_gflops": flops / ser_t / 1e9 if ser_t else None,
+            "matmul_gflops": rate,
+            "achieved_fraction_of_matmul": flops / cp_t / 1e9 / rate if cp_t and rate else None,
+            "serial_fraction_of_matmul": flops / ser_t / 1e9 / rate if ser_t and rate else None,
+        }
+    )
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark (spawning rows x cols local ranks unless already in such a world)."""
-    shape = parse_grid(args.grid)
+    """Run the benchmark (spawning rows x cols local ranks unless already in such a world).
+
+    Several grids (``--grid 1x1,2x2``): one run each, the last line ``{"runs": [...]}``."""
+    shapes = [parse_grid(g) for g in str(args.grid).split(",")]
     if args.op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {args.op!r}")
     if args.tokens < 1 or args.sequences < 1 or args.batch < 1:
         raise ValueError("tokens, sequences and batch must be positive")
+    if getattr(args, "repeats", 0) < 0 or getattr(args, "warmup", 0) < 0:
+        raise ValueError("repeats and warmup must not be negative")
+    results = [_run_one(args, shape) for shape in shapes]
+    world = get_world()
+    quiet = world is not None and world.rank != 0  # under torchrun rank 0 prints
+    plot = getattr(args, "plot", None)
+    if plot and not quiet:
+        plot_runs(results, plot)
+        from twinshard.bench.pair_ops import plot_memory_and_bytes
+
+        root, ext = os.path.splitext(plot)
+        plot_memory_and_bytes(results, f"{root}-bytes{ext or '.png'}")  # memory and ledger bytes per rank
+    if len(results) == 1:
+        result = results[0]
+    else:
+        result = {"runs": results, "plot": plot}
+    if quiet:
+        return result
+    if not getattr(args, "json", False):
+        for res in results:
+            for k, v in res.items():
+                if not isinstance(v, list):
+                    print(f"{k:32s} {v}")
+    print(json.dumps(result))
+    return result
+
+
+def _run_one(args: argparse.Namespace, shape: tuple[int, int]) -> dict[str, Any]:
+    nranks = shape[0] * shape[1]
+    threads = getattr(args, "threads", None) or max(1, min(nranks, os.cpu_count() or 1))
+    args.threads_used = threads
     call = (
         args.op,
         args.tokens,
@@ -315,20 +477,54 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.sequences,
         args.batch,
         args.seed,
+        getattr(args, "repeats", 0),
+        getattr(args, "warmup", 0),
+        threads,
     )
     world = get_world()
-    if world is not None and world.size == shape[0] * shape[1]:
+    if world is not None and world.size == nranks:
         mine = bench_rank(*call)
         ranks: list[Any] = [None] * world.size
         torch.distributed.all_gather_object(ranks, mine)  # bookkeeping, outside every ledger
     else:
-        ranks = shared_pool().run(bench_rank, shape[0] * shape[1], *call)
-    result = _summarise(args.op, args.tokens, shape, args, ranks)
-    if world is not None and world.size == shape[0] * shape[1] and world.rank != 0:
-        return result  # under torchrun every rank has the result; rank 0 prints it
-    if not getattr(args, "json", False):
-        for k, v in result.items():
-            if not isinstance(v, list):
-                print(f"{k:32s} {v}")
-    print(json.dumps(result))
-    return result
+        ranks = shared_pool().run(bench_rank, nranks, *call)
+    return _summarise(args.op, args.tokens, shape, args, ranks)
+
+
+def plot_runs(results: list[dict[str, Any]], path: str) -> None:
+    """Time and peak tensor memory per rank against the number of ranks, with serial / P."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = sorted(results, key=lambda r: r["saved_bytes_per_rank"].__len__())
+    ps = [len(r["saved_bytes_per_rank"]) for r in rs]
+    labels = [r["grid"] for r in rs]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    t = [r["seconds_median"] if r.get("seconds_median") else r["seconds_per_rank"][0] for r in rs]
+    ser = next((r["serial_seconds_median"] for r in rs if r.get("serial_seconds_median")), None)
+    ser = ser or rs[0]["serial_seconds"]
+    ax_t.plot(ps, t, "o-", label="CP forward + backward (median, slowest rank)")
+    ax_t.plot(ps, [ser / p for p in ps], "k--", label="ideal: serial / P")
+    ax_t.set_ylabel("seconds")
+    mem = [max(r["peak_memory_bytes_per_rank"]) / 2**20 for r in rs]
+    saved = [max(r["saved_bytes_per_rank"]) / 2**20 for r in rs]
+    ser_m = rs[0]["serial_peak_memory_bytes"] / 2**20
+    ax_m.plot(ps, mem, "o-", label="peak tensor memory per rank")
+    ax_m.plot(ps, saved, "s-", label="saved for backward per rank")
+    ax_m.plot(ps, [ser_m / p for p in ps], "k--", label="ideal: serial peak / P")
+    ax_m.plot(ps, [rs[0]["serial_saved_bytes"] / 2**20 / p for p in ps], "k:", label="serial saved / P")
+    ax_m.set_ylabel("MiB")
+    r0 = rs[0]
+    for ax in (ax_t, ax_m):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(ps, labels)
+        ax.minorticks_off()
+        ax.set_xlabel("grid (ranks)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{r0['op']} N={r0['tokens']} c={r0['channels']} h={r0['hidden']} {r0['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
