@@ -4,8 +4,11 @@
   input gradients and every parameter gradient equal the serial stack's at fp64 round-off (with and
   without activation checkpointing), and the JSON carries the keys of ``twinshard bench pair``
   plus ``layers``, per-rank memory (tensors and resident), saved and ledger bytes, all positive.
-- ``test_trunk_option_errors``: ``--train-step`` (not wired in) and a bad grid end with a one-line
-  error (exit 2), no traceback.
+- ``test_trunk_train_step_matches_serial``: ``--train-step`` (stack, distogram loss, backward,
+  AdamW; Boltz dropout) on 2x2 with uneven N: the loss and every weight after the update equal
+  the serial step's at fp64 round-off.
+- ``test_trunk_option_errors``: a bad grid or width ends with a one-line error (exit 2), no
+  traceback.
 """
 
 from __future__ import annotations
@@ -98,9 +101,22 @@ def test_trunk_json_matches_serial(checkpointing, capsys):
     assert out["serial_saved_bytes"] > 0 and out["serial_peak_memory_bytes"] > 0
 
 
+def test_trunk_train_step_matches_serial(capsys):
+    argv = ["trunk", "--tokens", "7", "--grid", "2x2", "--layers", "2", "--train-step", "--check-serial"]
+    assert main(argv + ["--dtype", "float64", *SMALL, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert BENCH_PAIR_KEYS <= set(out) and out["train_step"] is True and out["layers"] == 2
+    assert out["max_abs_error_out"] < 1e-13 * out["reference_max_abs_out"]  # the loss
+    assert out["max_abs_error_grad_params"] < 1e-13  # weights after the AdamW update (lr 1e-3)
+    assert all(v > 0 for v in out["peak_memory_bytes_per_rank"] + out["ledger_bytes_per_rank"])
+
+
 @pytest.mark.parametrize(
     "extra,message",
-    [(["--train-step"], "--train-step is not wired"), (["--grid", "2by2"], "grid must look like")],
+    [
+        (["--grid", "2by2"], "grid must look like"),
+        (["--single-channels", "6", "--heads", "4"], "multiple of --heads"),
+    ],
 )
 def test_trunk_option_errors(extra, message, capsys):
     assert main(["trunk", "--tokens", "5", *extra]) == 2

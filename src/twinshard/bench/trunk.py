@@ -21,8 +21,13 @@ pair`` plus ``layers`` (and the trunk's widths and options):
   sqrt(P)`` elements for each of the ``2 x layers`` of them (the other parts' traffic is on top).
 
 ``--checkpointing`` recomputes each layer in backward (both the CP and the serial stack).
-``--train-step`` is not wired in yet (the step is ``twinshard.pair.train.train_step``): the option
-raises a clear error.
+``--train-step`` measures one training step instead (``twinshard.pair.train``: the stack, the
+distogram head and its loss, backward and an AdamW update; ``CPTrunk`` against ``Trunk``, Boltz-2
+dropout p = 0.25 keyed by global index): the whole step's ledger bytes are reported as the
+forward's (``comm_backward_bytes_per_rank`` 0), ``max_abs_error_out`` is the loss's error and
+``max_abs_error_grad_params`` the largest difference of a weight after the update (input
+gradients: null). The pair-bias LayerNorm bias (``attention.proj_z.0.bias``, analytically zero
+gradient, round-off that AdamW would scale up to a full step) is frozen on both sides.
 """
 
 from __future__ import annotations
@@ -221,6 +226,120 @@ def trunk_rank(
     return mine
 
 
+FROZEN = "attention.proj_z.0.bias"
+BINS = 16
+
+
+def train_rank(
+    tokens: int,
+    grid_shape: tuple[int, int],
+    cfg: dict[str, Any],
+    dtype_name: str,
+    check_serial: bool,
+    seed: int,
+) -> dict[str, Any]:
+    """One training step of ``CPTrunk`` on every rank (``--train-step``); this rank's figures."""
+    from twinshard.pair.features import PairLayout, shard_tensor
+    from twinshard.pair.reference.distogram import distogram_target
+    from twinshard.pair.train import CPTrunk, Trunk, train_step
+    from twinshard.tensors.dtensor import padded_tokens
+
+    dtype = getattr(torch, dtype_name)
+    grid = make_grid(tuple(grid_shape))
+    device = get_world().device
+    kw = dict(
+        num_heads=cfg["heads"],
+        dropout=0.25,
+        pairwise_head_width=cfg["pair_head_width"],
+        pairwise_num_heads=cfg["pair_heads"],
+        activation_checkpointing=cfg["checkpointing"],
+    )
+
+    def build(cls: type) -> torch.nn.Module:
+        torch.manual_seed(seed + 1)  # the same initial weights on every rank
+        return cls(cfg["single"], cfg["pair"], cfg["layers"], num_bins=BINS, **kw).to(dtype)
+
+    serial = build(Trunk)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in serial.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype))
+    cp = build(CPTrunk).to(device)
+    cp.load_state_dict(serial.state_dict())
+    for m in (serial, cp):
+        for k, p in m.named_parameters():
+            p.requires_grad_(not k.endswith(FROZEN))
+        m.train()
+    x = _inputs(cfg, tokens, dtype, seed)
+    coords = torch.randn(
+        cfg["batch"], tokens, 3, generator=torch.Generator().manual_seed(seed + 3), dtype=torch.float64
+    )
+    batch = {
+        "s": x["s"],
+        "z": x["z"],
+        "target": distogram_target(coords * 6.0, num_bins=BINS, max_dist=12.0).to(dtype),
+        "mask": x["mask"],
+        "pair_mask": x["pair_mask"],
+    }
+    batch = {k: v.to(device) for k, v in batch.items()}
+    layout = PairLayout.for_sizes(tokens, grid)
+    kinds = dict(s="single", z="pair", target="pair", mask="single", pair_mask="pair")
+    sharded = {k: shard_tensor(v, kinds[k], grid, layout) for k, v in batch.items()}
+    if not check_serial or grid.rank != 0:
+        batch = {}
+
+    def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.05)
+
+    opt = optimizer(cp)
+    ledger = CommLedger()
+    held: list[torch.Tensor] = []
+
+    def cp_step() -> torch.Tensor:
+        with ledger:
+            held.append(train_step(cp, opt, sharded, seed=seed + 100))
+        return held[-1]
+
+    cpm = measure(cp_step, lambda loss: None, device)
+    loss_cp = held.pop()
+    f = ledger.summary()
+    mine: dict[str, Any] = {
+        "saved": cpm["saved_bytes"],
+        "peak": cpm["peak_bytes"],
+        "rss_peak": cpm["rss_peak_bytes"],
+        "rss_reset": cpm["rss_reset"],
+        "rss_source": cpm["rss_source"],
+        "seconds": cpm["seconds"],
+        "comm_fwd": max(f["bytes_sent"], f["bytes_recv"]),
+        "comm_fwd_sent": f["bytes_sent"],
+        "comm_fwd_recv": f["bytes_recv"],
+        "comm_bwd": 0,
+        "padded_tokens": padded_tokens(tokens, grid),
+    }
+    if not check_serial or grid.rank != 0:
+        return mine
+    serial = serial.to(device)
+    sopt = optimizer(serial)
+    ser = measure(
+        lambda: held.append(train_step(serial, sopt, batch, seed=seed + 100)) or held[-1],
+        lambda loss: None,
+        device,
+    )
+    loss_ser = held.pop()
+    cp_w = dict(cp.named_parameters())
+    mine.update(
+        err_out=abs(float(loss_cp) - float(loss_ser)),
+        err_in=None,
+        err_par=max((p.detach() - cp_w[k].detach()).abs().max().item() for k, p in serial.named_parameters()),
+        ref_scale=abs(float(loss_ser)),
+        serial_saved=ser["saved_bytes"],
+        serial_peak=ser["peak_bytes"],
+        serial_rss_peak=ser["rss_peak_bytes"],
+        serial_seconds=ser["seconds"],
+    )
+    return mine
+
+
 def summarise(
     tokens: int,
     shape: tuple[int, int],
@@ -253,7 +372,7 @@ def summarise(
         "pair_head_width": cfg["pair_head_width"],
         "pair_heads": cfg["pair_heads"],
         "checkpointing": cfg["checkpointing"],
-        "train_step": False,
+        "train_step": cfg.get("train_step", False),
         "check_serial": serial_saved is not None,
         "max_abs_error_out": r0.get("err_out"),
         "max_abs_error_grad_inputs": r0.get("err_in"),
@@ -293,7 +412,7 @@ def config(a: argparse.Namespace) -> dict[str, Any]:
         "checkpointing": bool(a.checkpointing),
     }
     for k, v in cfg.items():
-        if k != "checkpointing" and (not isinstance(v, int) or v < 1):
+        if k not in ("checkpointing", "train_step") and (not isinstance(v, int) or v < 1):
             raise ValueError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}")
     if cfg["single"] % cfg["heads"]:
         raise ValueError(f"--single-channels {cfg['single']} must be a multiple of --heads {cfg['heads']}")
@@ -305,21 +424,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = parse_grid(args.grid)
     if args.tokens < 1:
         raise ValueError("--tokens must be positive")
-    if getattr(args, "train_step", False):
-        raise ValueError(
-            "--train-step is not wired into `twinshard trunk` yet (the step itself is "
-            "twinshard.pair.train.train_step, tested in tests/pair/test_train_step.py); run without it "
-            "for forward + backward of the stack"
-        )
     cfg = config(args)
+    cfg["train_step"] = bool(getattr(args, "train_step", False))
     call = (args.tokens, shape, cfg, args.dtype, bool(args.check_serial), args.seed)
     world = get_world()
+    fn = train_rank if cfg["train_step"] else trunk_rank
     if world is not None and world.size == shape[0] * shape[1]:
-        mine = trunk_rank(*call)
+        mine = fn(*call)
         ranks: list[Any] = [None] * world.size
         torch.distributed.all_gather_object(ranks, mine)  # bookkeeping, outside every ledger
     else:
-        ranks = shared_pool().run(trunk_rank, shape[0] * shape[1], *call, timeout=args.timeout)
+        ranks = shared_pool().run(fn, shape[0] * shape[1], *call, timeout=args.timeout)
     result = summarise(args.tokens, shape, cfg, args, ranks)
     if world is not None and world.size == shape[0] * shape[1] and world.rank != 0:
         return result
