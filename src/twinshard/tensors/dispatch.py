@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
 
 from twinshard.comm import ops
 from twinshard.comm import primitives as prim
@@ -107,6 +108,11 @@ class Registry:
         return [h.name for h in self._handlers]
 
     def match(self, func: Any, args: tuple, kwargs: dict) -> Handler | None:
+        # rows that are not atoms (a row-wise view [n * a, b], ShardSpec.row_block > 1): no handler
+        # applies; the default path raises for an op over the atom dimension
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, ShardTensor) and a._spec.row_block != 1:
+                return None
         for h in self._handlers:
             if h.name not in self._off and h.predicate(func, args, kwargs):
                 return h
@@ -553,3 +559,7 @@ for _h in _shipped():
 
 def spec_of(x: Any) -> ShardSpec | None:
     return x._spec if isinstance(x, ShardTensor) else None
+
+
+# the row-wise handlers (einsum / tensordot / x[arange(n), idx] keeping the atom rows)
+import twinshard.tensors.rowwise  # noqa: E402, F401

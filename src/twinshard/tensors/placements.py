@@ -152,12 +152,16 @@ class ShardSpec:
     """The metadata a :class:`~twinshard.tensors.shard_tensor.ShardTensor` carries.
 
     ``placement``; ``state`` (halo state; FRESH for non-halo placements); ``group`` (process
-    group, ``None`` = world); ``n_systems`` (systems on this rank's batch)."""
+    group, ``None`` = world); ``n_systems`` (systems on this rank's batch); ``row_block`` (local
+    rows per atom: a row-wise view ``[n, a, b] -> [n * a, b]``, as e3nn's compiled tensor products
+    make, has ``row_block = a`` with each atom's rows contiguous; no dispatch handler matches such a
+    tensor, so an op over its atom dimension raises)."""
 
     placement: Owned | HaloPadded | PerSystem
     state: HaloState = HaloState.FRESH
     group: dist.ProcessGroup | None = field(default=None, compare=False)
     n_systems: int = 1
+    row_block: int = 1
 
     @property
     def per_atom(self) -> bool:
@@ -178,15 +182,19 @@ class ShardSpec:
     def with_state(self, state: HaloState) -> ShardSpec:
         if not self.halo:
             state = HaloState.FRESH
-        return ShardSpec(self.placement, state, self.group, self.n_systems)
+        return ShardSpec(self.placement, state, self.group, self.n_systems, self.row_block)
+
+    def with_row_block(self, row_block: int) -> ShardSpec:
+        return ShardSpec(self.placement, self.state, self.group, self.n_systems, int(row_block))
 
     def owned(self) -> ShardSpec:
         """The spec of the owned rows of this tensor (a halo-padded one sliced to ``[:n_owned]``)."""
-        return ShardSpec(Owned(), HaloState.FRESH, self.group, self.n_systems)
+        return ShardSpec(Owned(), HaloState.FRESH, self.group, self.n_systems, self.row_block)
 
     def __repr__(self) -> str:
         st = f", {self.state.value}" if self.halo else ""
-        return f"ShardSpec({self.placement!r}{st}, systems={self.n_systems})"
+        rb = f", rows/atom={self.row_block}" if self.row_block != 1 else ""
+        return f"ShardSpec({self.placement!r}{st}, systems={self.n_systems}{rb})"
 
 
 _MESHES: dict[tuple[int, int, int], DeviceMesh] = {}

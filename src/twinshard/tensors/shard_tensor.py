@@ -107,7 +107,7 @@ class ShardTensor(torch.Tensor):
         if spec.per_atom and local.dim() == 0:
             raise ValueError("a per-atom ShardTensor needs a dim 0 (the atoms)")
         if spec.halo:
-            n = spec.placement.n_owned + spec.placement.n_halo
+            n = (spec.placement.n_owned + spec.placement.n_halo) * spec.row_block
             if local.shape[0] != n:
                 raise ValueError(
                     f"a halo-padded ShardTensor needs n_owned + n_halo = {n} rows, got {local.shape[0]}"
@@ -214,6 +214,9 @@ class ShardTensor(torch.Tensor):
             if len(schema.returns) == 1 and schema.returns[0].alias_info is not None:
                 return args[written[0]]
             return out
+        grouped = _row_view(func, args, out)
+        if grouped is not None:
+            return grouped
         spec = _out_spec(func, args, sts)
         if spec is None:
             return out
@@ -223,6 +226,42 @@ class ShardTensor(torch.Tensor):
 
 def _unwrap(t: Any) -> Any:
     return t._local if isinstance(t, ShardTensor) else t
+
+
+def _view_name(func: Any) -> str:
+    return func._schema.name.split("::")[-1] if getattr(func, "_schema", None) else ""
+
+
+def _per_atom_block(x: ShardTensor, shape: Any) -> int | None:
+    """Rows per atom of a view of ``x`` to ``shape`` that keeps each atom's elements in its own
+    rows (None if the view splits an atom's elements across rows, or mixes atoms)."""
+    per_atom = x._spec.row_block
+    for d in x.shape[1:]:
+        per_atom *= int(d)
+    rest = 1
+    for d in list(shape)[1:]:
+        rest *= int(d)
+    if len(shape) == 0 or rest == 0 or per_atom == 0:
+        return None
+    if per_atom % rest:
+        return None
+    k = per_atom // rest
+    n_atoms = x.shape[0] // x._spec.row_block
+    return k if int(shape[0]) == n_atoms * k else None
+
+
+def _row_view(func: Any, args: tuple, out: Any) -> ShardTensor | None:
+    """A view / reshape of a per-atom ShardTensor that changes dim 0 but keeps every atom's
+    elements in its own contiguous rows: the result keeps the spec with the new ``row_block``."""
+    if _view_name(func) not in _VIEWS or not args or not isinstance(out, torch.Tensor):
+        return None
+    x = args[0]
+    if not (isinstance(x, ShardTensor) and x._spec.per_atom) or out.dim() == 0 or out.shape[0] == x.shape[0]:
+        return None
+    k = _per_atom_block(x, out.shape)
+    if k is None:
+        return None
+    return ShardTensor(out, x._spec.with_row_block(k))
 
 
 # ---------------------------------------------------------------------- propagation rules
@@ -426,9 +465,13 @@ def check_atom_op(func: Any, args: tuple, kwargs: dict) -> None:
                     why = "merges" if end > 0 else None
             elif shape is not None:
                 first = int(shape[0]) if len(shape) else None
-                if first != x.shape[0] and not (
-                    first == -1 and len(shape) >= 1 and _minus_one_keeps(x, shape)
-                ):
+                if first == -1 and len(shape) >= 1:
+                    rest = 1
+                    for d in shape[1:]:
+                        rest *= int(d)
+                    first = x.numel() // rest if rest else None
+                    shape = [first] + list(shape[1:])
+                if first != x.shape[0] and (first is None or _per_atom_block(x, shape) is None):
                     why = "merges"
         elif base in ("cat", "stack"):
             pass  # handled below (args[0] is a list)

@@ -1,0 +1,227 @@
+"""MACE (``mace-torch``) as a plain-PyTorch potential: built offline or loaded, run unmodified.
+
+``mace-torch`` is imported lazily (the ``mace`` extra: ``pip install -e ".[mace]"``).
+
+:func:`build_mace` builds a small MACE with random weights (no download: an embedded default of
+two interactions, ``L = 1`` hidden features, several species, fp64). :func:`load_mace` reads a
+model saved by mace-torch (``torch.save(model, path)``) the way mace's own calculator does
+(``torch.load(path, map_location=device)``, the whole module).
+
+:class:`MaceAdapter` puts a MACE module behind twinshard's plain-model contract
+(:mod:`twinshard.atoms.plain_inputs`: ``data = {positions, numbers, senders, receivers,
+shifts, batch, cell}`` in, ``node_energy``, ``energy``, ``forces``, ``virial``, ``stress``
+out) by building mace's own data dict (``positions``, ``node_attrs`` one-hot over its
+``atomic_numbers``, ``edge_index = [senders, receivers]`` (mace's sender/receiver), ``shifts``
+and ``unit_shifts`` in mace's sign convention, ``cell``, ``batch``, ``ptr``) and calling the
+MACE module's own ``forward`` with ``compute_force`` / ``compute_stress``. The MACE module is
+not modified: distributed (``DistributedPotential(MaceAdapter(model), mode="dispatch")``) its
+inputs are ShardTensors and the dispatch (:mod:`twinshard.tensors.dispatch`) makes its ops
+distribution-aware. Parameter names are the MACE module's behind the prefix ``model.``.
+
+:func:`mace_native` evaluates a MACE module through mace's own data pipeline
+(``mace.data.AtomicData.from_config`` with mace's neighbour list): the serial oracle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MaceAdapter", "build_mace", "load_mace", "mace_native", "mace_available"]
+
+DEFAULT_SPECIES = (1, 6, 8, 29)
+
+
+def mace_available() -> bool:
+    try:
+        import mace.modules  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True
+
+
+def _require() -> None:
+    if not mace_available():
+        raise ImportError(
+            'MACE needs mace-torch: pip install -e ".[mace]" (or pip install mace-torch); '
+            "it is imported lazily and only for --potential mace"
+        )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def build_mace(
+    species: Sequence[int] = DEFAULT_SPECIES,
+    r_max: float = 4.0,
+    num_interactions: int = 2,
+    hidden_irreps: str = "8x0e + 8x1o",
+    max_ell: int = 2,
+    correlation: int = 2,
+    num_bessel: int = 6,
+    avg_num_neighbors: float = 10.0,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> nn.Module:
+    """A small ``mace.modules.MACE`` with random weights (offline; the embedded default).
+
+    Residual interaction blocks (the mace-torch default), ``hidden_irreps`` with ``1o`` features,
+    a non-linear readout, per-species E0s drawn from ``seed``; every weight drawn from ``seed``."""
+    _require()
+    import numpy as np
+    from e3nn import o3
+    from mace import modules
+
+    species = sorted(int(z) for z in species)
+    gen = torch.Generator().manual_seed(int(seed))
+    e0 = (-1.0 - torch.rand(len(species), generator=gen, dtype=torch.float64)).numpy()
+    block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
+    with _default_dtype(dtype):
+        torch.manual_seed(int(seed))
+        model = modules.MACE(
+            r_max=float(r_max),
+            num_bessel=int(num_bessel),
+            num_polynomial_cutoff=5,
+            max_ell=int(max_ell),
+            interaction_cls=block,
+            interaction_cls_first=block,
+            num_interactions=int(num_interactions),
+            num_elements=len(species),
+            hidden_irreps=o3.Irreps(hidden_irreps),
+            MLP_irreps=o3.Irreps("8x0e"),
+            atomic_energies=np.asarray(e0),
+            avg_num_neighbors=float(avg_num_neighbors),
+            atomic_numbers=species,
+            correlation=int(correlation),
+            gate=torch.nn.functional.silu,
+            radial_MLP=[16, 16],
+        )
+        # some weights start at zero (mace's residual skip init): perturb every parameter, so
+        # no path is silently inert in a parity test
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+    return model.to(dtype)
+
+
+def load_mace(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+    """A MACE model saved by mace-torch (``torch.save(model, path)``), loaded as mace's calculator
+    does: ``torch.load(path, map_location=device)`` (the whole pickled module; trust the file)."""
+    _require()
+    import mace.modules  # noqa: F401 - the pickled classes live there
+
+    model = torch.load(path, map_location=device, weights_only=False)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{path}: expected a MACE module saved with torch.save(model, ...), got {type(model)}"
+        )
+    return model if dtype is None else model.to(dtype)
+
+
+class MaceAdapter(nn.Module):
+    """A MACE module behind twinshard's plain-model contract (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.cutoff = float(model.r_max)
+        z = [int(v) for v in model.atomic_numbers.tolist()]
+        self.species = sorted(z)
+        table = torch.full((max(z) + 1,), -1, dtype=torch.int64)
+        table[torch.tensor(z)] = torch.arange(len(z))
+        self.register_buffer("species_index", table, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def mace_inputs(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """mace's data dict from twinshard's plain-model dict (ShardTensors pass through)."""
+        numbers, cell = data["numbers"], data["cell"]
+        known = numbers < self.species_index.numel()
+        rows = self.species_index[torch.where(known, numbers, torch.zeros_like(numbers))]
+        if bool(((rows < 0) | ~known).any()):
+            raise ValueError(
+                f"this MACE model has no parameters for some atomic numbers; it knows {self.species}"
+            )
+        dtype = data["positions"].dtype
+        classes = torch.arange(len(self.species), device=rows.device)
+        node_attrs = (rows[:, None] == classes[None, :]).to(dtype)
+        # twinshard: r = x[senders] + shifts - x[receivers]; mace: r = x[receiver] - x[sender] + shifts
+        shifts = -data["shifts"].to(dtype)
+        cell3 = cell.to(dtype).reshape(-1, 3, 3)
+        batch = data["batch"]
+        if cell3.shape[0] != 1:
+            raise NotImplementedError("MaceAdapter: one system per call")
+        unit = (
+            torch.round(shifts @ torch.linalg.pinv(cell3[0])) if bool(cell3.abs().sum() > 0) else shifts * 0
+        )
+        n = data["positions"].shape[0]
+        return {
+            "positions": data["positions"],
+            "node_attrs": node_attrs,
+            "edge_index": torch.stack([data["senders"], data["receivers"]]),
+            "shifts": shifts,
+            "unit_shifts": unit,
+            "cell": cell3.reshape(-1, 3),
+            "batch": batch,
+            "ptr": torch.tensor([0, n], dtype=torch.int64, device=cell.device),
+        }
+
+    def forward(
+        self,
+        data: dict[str, torch.Tensor],
+        compute_forces: bool = True,
+        compute_stress: bool = False,
+        training: bool = False,
+    ) -> dict[str, torch.Tensor | None]:
+        out = self.model(
+            self.mace_inputs(data),
+            training=training,
+            compute_force=compute_forces,
+            compute_stress=compute_stress,
+            compute_virials=compute_stress,
+        )
+        res: dict[str, torch.Tensor | None] = {"node_energy": out["node_energy"], "energy": out["energy"]}
+        if compute_forces:
+            res["forces"] = out["forces"]
+        if compute_stress:
+            res["virial"] = out["virials"]
+            vol = torch.linalg.det(data["cell"].to(self.dtype).reshape(-1, 3, 3)).abs()
+            res["stress"] = out["stress"] if bool((vol > 0).all()) else None
+        return res
+
+
+def mace_native(model: nn.Module, atoms: Any, compute_stress: bool = True) -> dict[str, torch.Tensor]:
+    """Serial MACE through mace's own pipeline (its neighbour list, ``AtomicData``, batching):
+    ``energy``, ``node_energy``, ``forces``, ``stress`` (fp of the model; the oracle)."""
+    _require()
+    from mace import data as mdata
+    from mace.tools import torch_geometric, utils
+
+    z_table = utils.AtomicNumberTable([int(z) for z in model.atomic_numbers.tolist()])
+    dtype = next(model.parameters()).dtype
+    with _default_dtype(dtype):  # mace's data pipeline builds tensors in the default dtype
+        config = mdata.config_from_atoms(atoms)
+        ad = mdata.AtomicData.from_config(config, z_table=z_table, cutoff=float(model.r_max))
+        loader = torch_geometric.dataloader.DataLoader(dataset=[ad], batch_size=1, shuffle=False)
+        batch = next(iter(loader)).to_dict()
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            batch[k] = v.to(dtype)
+    out = model(batch, compute_force=True, compute_stress=compute_stress, compute_virials=compute_stress)
+    res = {k: out[k].detach() for k in ("energy", "node_energy", "forces")}
+    if compute_stress:
+        res["stress"] = out["stress"].detach()[0]
+    return res
