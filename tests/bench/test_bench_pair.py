@@ -105,3 +105,19 @@ def test_bench_pair_inside_an_existing_world():
     per_rank = shared_pool().run(_bench_in_world, 4, 0)
     assert all(r == per_rank[0] for r in per_rank[1:])
     assert per_rank[0]["grid"] == "2x2" and per_rank[0]["max_abs_error_out"] < 1e-12
+
+
+def test_bench_pair_timing_flops_and_plot(tmp_path, capsys):
+    png = tmp_path / "pair.png"
+    argv = ["--op", "opm", "--grid", "1x1,1x2", "--tokens", "6", "--repeats", "2", "--warmup", "1"]
+    res = bench_pair.run(_args(*argv, "--threads", "1", "--plot", str(png), "--json"))
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["grid"] for r in last["runs"]] == ["1x1", "1x2"] and last["plot"] == str(png)
+    assert png.stat().st_size > 0
+    for r in res["runs"]:
+        assert set(KEYS) <= set(r)  # the earlier keys stay
+        assert r["repeats"] == 2 and len(r["seconds_runs"]) == 2
+        for k in ("seconds_median", "serial_seconds_median", "flops_fwd_bwd", "matmul_gflops"):
+            assert r[k] > 0, k
+        assert 0 < r["achieved_fraction_of_matmul"] and r["serial_threads"] == 1
+        assert r["peak_ratio_vs_serial_over_p"] > 0
