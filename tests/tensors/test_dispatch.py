@@ -62,6 +62,9 @@ def _rank_halo():
     x = torch.cat([_values(sh.ids, 1), torch.full((nh, F), 1e6, dtype=torch.float64)])
     got = from_local(x, stale).index_select(0, idx)
     got_item = from_local(x, stale)[idx]
+    col = torch.randint(0, F, (len(idx),), generator=gen)
+    got_joint = from_local(x, stale)[idx, col]  # joint indexing: one column per gathered row
+    got_slice = from_local(x, stale)[idx, 1:]
     got_g = from_local(x, stale).gather(0, idx[:, None].expand(-1, F).contiguous())
     adj_refresh = adjoint_pair(lambda t: from_local(t, stale).index_select(0, idx), x, seed=60 + me)
     # correction: every rank scatters contributions into random rows of its block
@@ -84,6 +87,7 @@ def _rank_halo():
         "idx": idx,
         "gather": got,
         "getitem": got_item,
+        "joint": (col, got_joint, got_slice),
         "gather_op": got_g,
         "src": src,
         "index_add": to_local(acc).detach(),
@@ -108,6 +112,10 @@ def test_halo_refresh_and_correction(nranks):
         ref = _values(r["block_ids"][r["idx"]], 1)
         assert_parity(r["gather"], ref, what=f"halo_refresh index_select {where}", grid=str(nranks))
         assert_parity(r["getitem"], ref, what=f"halo_refresh x[idx] {where}", grid=str(nranks))
+        col, joint, sliced = r["joint"]
+        rows = torch.arange(len(col))
+        assert_parity(joint, ref[rows, col], what=f"halo_refresh x[idx, j] {where}", grid=str(nranks))
+        assert_parity(sliced, ref[:, 1:], what=f"halo_refresh x[idx, 1:] {where}", grid=str(nranks))
         assert_parity(r["gather_op"], ref, what=f"halo_refresh gather {where}", grid=str(nranks))
         want = _values(r["block_ids"], 2).clone()
         for k, i in enumerate(r["block_ids"].tolist()):

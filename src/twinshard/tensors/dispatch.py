@@ -239,8 +239,9 @@ def _local_gather(c: IndexCall, local: torch.Tensor, index: torch.Tensor) -> tor
         return local.index_select(0, index)
     if c.name == "gather":
         return local.gather(0, index)
-    out = local[index]
-    return out[(slice(None),) * index.dim() + c.rest] if c.rest else out
+    # the whole key on the refreshed rows: tensors after the first index broadcast with it
+    # (joint indexing, x[idx, j][k] = x[idx[k], j[k]]), as torch itself would
+    return local[(index,) + tuple(_plain(k) for k in c.rest)] if c.rest else local[index]
 
 
 def _wrap_like_index(out: torch.Tensor, index: Any) -> torch.Tensor:
