@@ -90,7 +90,7 @@ def test_pair_demo_rows_same_on_every_rank():
     per_rank = shared_pool().run(_demo, 4, 0)
     rows = per_rank[0]
     assert all(r == rows for r in per_rank[1:])
-    assert [r["grid"] for r in rows] == ["2x2"] * 3
+    assert [r["grid"] for r in rows] == ["2x2"] * 4  # trimul out/in, OPM, the 2-layer trunk
     assert {"what", "grid", "max_abs_error", "bytes_per_rank"} <= set(rows[0])
     for r in rows:
         assert r["max_abs_error"] < 1e-12 and r["bytes_per_rank"] > 0
