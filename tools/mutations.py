@@ -4,7 +4,8 @@
 Each mutation replaces one exact line fragment in one source file (the fragment must occur
 exactly once, so a sweep that no longer matches the code says so instead of passing) and names
 the tests expected to catch it. The sweep runs in a private copy of ``src/`` and ``tests/``
-(the working tree is never touched), one mutation at a time, with ``PYTHONPATH`` pointing at the
+(the working tree is never touched; ``--head`` sweeps the committed tree instead), one mutation
+at a time, with ``PYTHONPATH`` pointing at the
 copy so the pytest plugin and the rank workers import the mutated package.
 
     python tools/mutations.py              # every mutation; a table, then JSON on the last line
@@ -223,21 +224,54 @@ MUTATIONS: list[Mutation] = [
         "group = False",
         ("tests/pair/test_layers_substrate.py",),
     ),
+    M(
+        "summa_segment_edge",
+        "off-by-one block",
+        "pair/layers/contraction.py",
+        "edges = sorted({k * i // kx for i in range(kx + 1)} | {k * i // ky for i in range(ky + 1)})",
+        "edges = sorted({k * i // kx for i in range(kx + 1)} | {max(0, k * i // ky - 1) for i in range(ky + 1)})",
+        ("tests/pair/test_triangle.py",),
+    ),
+    M(
+        "cannon_tile_not_transposed",
+        "wrong transpose",
+        "pair/layers/contraction.py",
+        "return t.transpose(1, 2) if trans else t",
+        "return t",
+        ("tests/pair/test_triangle.py",),
+    ),
+    M(
+        "triattn_lse_rescale_dropped",
+        "wrong softmax merge",
+        "pair/layers/triangle_attention.py",
+        "alpha = torch.exp(m - m_new)  # rescale what was summed under the old max",
+        "alpha = torch.ones_like(m)",
+        ("tests/pair/test_triangle_attention.py",),
+    ),
+    M(
+        "per_system_reduce_dropped",
+        "dropped reduction",
+        "tensors/dispatch.py",
+        'return prim.all_reduce(x, group, op="per_system_reduce")',
+        "return x.clone()",
+        ("tests/tensors/test_dispatch.py",),
+    ),
 ]
 
 
-def _apply(copy: Path, m: Mutation) -> str | None:
+def _apply(copy: Path, m: Mutation) -> tuple[str | None, str]:
+    """(error or None, the file's original text)."""
     path = copy / "src" / "twinshard" / m.file
     text = path.read_text()
     count = text.count(m.find)
     if count != 1:
-        return f"fragment found {count} times in {m.file} (the sweep no longer matches the code)"
+        return f"fragment found {count} times in {m.file} (the sweep no longer matches the code)", text
     path.write_text(text.replace(m.find, m.replace))
-    return None
+    return None, text
 
 
-def _restore(copy: Path, m: Mutation) -> None:
-    shutil.copy2(ROOT / "src" / "twinshard" / m.file, copy / "src" / "twinshard" / m.file)
+def _restore(copy: Path, m: Mutation, text: str) -> None:
+    (copy / "src" / "twinshard" / m.file).write_text(text)
 
 
 def _first_failure(out: str) -> tuple[str, str]:
@@ -246,19 +280,27 @@ def _first_failure(out: str) -> tuple[str, str]:
     return test, msg[:160]
 
 
-def run(mutations: list[Mutation], timeout: float) -> list[dict]:
+def run(mutations: list[Mutation], timeout: float, head: bool = False) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory(prefix="twinshard-mut-") as tmp:
         copy = Path(tmp)
-        shutil.copytree(
-            ROOT / "src", copy / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__")
-        )
-        shutil.copytree(ROOT / "tests", copy / "tests", ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copy2(ROOT / "pyproject.toml", copy / "pyproject.toml")
+        if head:  # the committed tree, whatever the working tree holds
+            archive = subprocess.run(
+                ["git", "archive", "HEAD", "src", "tests", "pyproject.toml"],
+                cwd=ROOT,
+                capture_output=True,
+                check=True,
+            ).stdout
+            subprocess.run(["tar", "-x", "-C", str(copy)], input=archive, check=True)
+        else:
+            ignore = shutil.ignore_patterns("*.egg-info", "__pycache__")
+            shutil.copytree(ROOT / "src", copy / "src", ignore=ignore)
+            shutil.copytree(ROOT / "tests", copy / "tests", ignore=ignore)
+            shutil.copy2(ROOT / "pyproject.toml", copy / "pyproject.toml")
         env = dict(os.environ, PYTHONPATH=str(copy / "src"), TWINSHARD_EVIDENCE="", OMP_NUM_THREADS="1")
         for m in mutations:
             t0 = time.perf_counter()
-            err = _apply(copy, m)
+            err, original = _apply(copy, m)
             row = {"id": m.id, "kind": m.kind, "file": m.file, "tests": list(m.tests)}
             if err:
                 row.update(caught=False, error=err)
@@ -280,7 +322,7 @@ def run(mutations: list[Mutation], timeout: float) -> list[dict]:
                 except subprocess.TimeoutExpired:
                     row.update(caught=False, error=f"timed out after {timeout:.0f} s")
                 finally:
-                    _restore(copy, m)
+                    _restore(copy, m, original)
             row["seconds"] = round(time.perf_counter() - t0, 1)
             results.append(row)
             mark = "caught" if row["caught"] else "MISSED"
@@ -293,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--only", action="append", default=[], help="run only this mutation id (repeatable)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutation")
+    ap.add_argument(
+        "--head", action="store_true", help="sweep the committed tree (git HEAD), not the working tree"
+    )
     a = ap.parse_args(argv)
     chosen = [m for m in MUTATIONS if not a.only or m.id in a.only]
     if a.list:
@@ -302,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(a.only) - {m.id for m in MUTATIONS}
     if unknown:
         ap.error(f"unknown mutation ids {sorted(unknown)}")
-    results = run(chosen, a.timeout)
+    results = run(chosen, a.timeout, a.head)
     caught = sum(r["caught"] for r in results)
     print(json.dumps({"mutations": len(results), "caught": caught, "results": results}))
     return 0 if caught == len(results) else 1
