@@ -111,9 +111,9 @@ def neighbor_list(
         # one integer key (receiver, sender) sorts much faster than a 5-key lexsort; shifts of the
         # same (i, j) pair (small cells only) break the tie in order
         key = i * n + j
-        if len(np.unique(key)) == len(key):
-            order = np.argsort(key, kind="stable")
-        else:
+        order = np.argsort(key, kind="stable")
+        ks = key[order]
+        if bool((ks[1:] == ks[:-1]).any()):  # duplicates: sorted neighbours tell (np.unique is ~50x slower)
             order = np.lexsort((s[:, 2], s[:, 1], s[:, 0], key))
         i, j, s = i[order], j[order], s[order]
     cell_shifts = torch.as_tensor(s, device=device)
