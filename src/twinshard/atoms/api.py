@@ -151,7 +151,10 @@ def run_md(
         system: a :class:`System` or an ``ase.Atoms`` (``None`` with ``restart``).
         potential: any module following the potential contract
             (:mod:`twinshard.atoms.potentials.base`): ``LennardJones(...)``,
-            ``MessagePassingPotential(...)``, your own.
+            ``MessagePassingPotential(...)``, your own; or a plain dict-contract model
+            (:mod:`twinshard.atoms.plain_inputs`), e.g. a mace-torch ``MACE`` /
+            ``ScaleShiftMACE`` module (wrapped in ``MaceAdapter``), run unmodified
+            through the ShardTensor dispatch.
         ranks: local ranks to spawn (ignored inside a world, e.g. under torchrun).
         steps: the step the run ends at (a restarted run continues up to it).
         thermostat: ``"none"`` (NVE velocity Verlet), ``"langevin"`` (BAOAB at
@@ -171,16 +174,20 @@ def run_md(
     Returns:
         :class:`MDResult`.
     """
+    from twinshard.atoms.plain_inputs import as_potential
     from twinshard.runtime import get_world, in_torchrun, init_world, shared_pool
 
     if system is None and restart is None:
         raise ValueError("give a system (System or ase.Atoms), or restart=checkpoint file")
+    potential = as_potential(potential)  # a bare MACE module: behind MaceAdapter
     if not hasattr(potential, "cutoff"):
         raise TypeError("potential must have a float `cutoff` and forward(graph) -> per-atom energies")
     if system is not None and not isinstance(system, System):
         system = System.from_ase(system, dtype=dtype)
     elif system is not None:
         system = system.to(dtype=dtype)
+    if system is not None and hasattr(potential, "check_species"):  # every rank has the system here
+        potential.check_species(system.numbers.unique().tolist())
     integ = _integrator(thermostat, dt, temperature, friction, seed)
     opts = {
         "steps": int(steps),
@@ -264,7 +271,9 @@ def _md_rank(
     sharded = ShardedSystem.scatter(
         mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"], partition=opts["partition"]
     )
-    dp = DistributedPotential(potential.to(world.device))
+    from twinshard.atoms.plain_inputs import potential_mode
+
+    dp = DistributedPotential(potential.to(world.device), mode=potential_mode(potential))
     engine = DistributedEngine(sharded, dp)
     out = simulate(
         engine,

@@ -31,7 +31,8 @@ import torch
 from ase.calculators.calculator import Calculator, all_changes
 from torch import nn
 
-from twinshard.atoms.potentials.base import Results, evaluate
+from twinshard.atoms.plain_inputs import evaluate_serial
+from twinshard.atoms.potentials.base import Results
 from twinshard.atoms.system import System
 
 __all__ = ["TwinshardCalculator", "evaluate_distributed"]
@@ -58,7 +59,12 @@ def evaluate_distributed(
     sharded = ShardedSystem.scatter(
         system, src, cutoff=float(potential.cutoff), skin=skin, group=group, partition=partition
     )
-    res = DistributedPotential(potential.to(sharded.positions.device)).compute(sharded)
+    from twinshard.atoms.plain_inputs import as_potential, potential_mode
+
+    potential = as_potential(potential)  # a bare MACE module: behind MaceAdapter (dispatch mode)
+    res = DistributedPotential(
+        potential.to(sharded.positions.device), mode=potential_mode(potential)
+    ).compute(sharded)
     counts = sharded.counts()
     ids = prim.all_gather(sharded.ids.contiguous(), 0, group, counts, op="calculator")
     rows = torch.cat([res.per_atom[:, None], res.forces], dim=1).contiguous()
@@ -73,7 +79,9 @@ class TwinshardCalculator(Calculator):
 
     Args:
         potential: a module following the potential contract (``LennardJones``,
-            ``MessagePassingPotential``, or your own).
+            ``MessagePassingPotential``, or your own), or a plain dict-contract model
+            (:mod:`twinshard.atoms.plain_inputs`): a mace-torch ``MACE`` / ``ScaleShiftMACE``
+            module (wrapped in ``MaceAdapter``; distributed through the ShardTensor dispatch).
         distributed: ``None`` = distributed iff a twinshard world of more than
             one rank is initialised; ``True`` requires a world.
         src: the rank whose copy of the atoms is scattered (distributed).
@@ -94,6 +102,9 @@ class TwinshardCalculator(Calculator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        from twinshard.atoms.plain_inputs import as_potential
+
+        potential = as_potential(potential)  # a bare MACE module: behind MaceAdapter
         if not hasattr(potential, "cutoff"):
             raise TypeError("potential must have a float `cutoff` (see twinshard.atoms.potentials)")
         self.potential = potential
@@ -117,6 +128,8 @@ class TwinshardCalculator(Calculator):
     ) -> None:
         super().calculate(atoms, properties, system_changes)
         system = System.from_ase(self.atoms, dtype=self.dtype)
+        if hasattr(self.potential, "check_species"):  # every rank holds the same atoms: all raise
+            self.potential.check_species(system.numbers.unique().tolist())
         if self._use_world():
             from twinshard.runtime import get_world
 
@@ -128,7 +141,7 @@ class TwinshardCalculator(Calculator):
             inv[order] = torch.arange(order.numel(), device=order.device)
             per_atom, forces = res.per_atom[inv], res.forces[inv]
         else:
-            res = evaluate(self.potential, system)
+            res = evaluate_serial(self.potential, system)
             per_atom, forces = res.per_atom, res.forces
         energy = float(res.energy)
         self.results["energy"] = energy

@@ -67,7 +67,8 @@ from twinshard.atoms.md import (
     maxwell_boltzmann,
     simulate,
 )
-from twinshard.atoms.potentials import evaluate, make_potential
+from twinshard.atoms.plain_inputs import evaluate_serial, potential_mode
+from twinshard.atoms.potentials import make_potential
 from twinshard.atoms.system import System
 from twinshard.tensors.memory import RssWindow, peak_memory_during
 
@@ -112,6 +113,7 @@ class MDConfig:
     structure: str | None = None
     atoms: int | None = None
     potential: str = "lj"
+    model: str | None = None
     cutoff: float | None = None
     steps: int = 100
     dt: float = 2.0
@@ -208,7 +210,23 @@ def lj_parameters(cfg: MDConfig, species: list[int]) -> dict[int, tuple[float, f
 
 
 def potential_from_config(cfg: MDConfig, species: list[int]) -> Any:
-    """The potential ``twinshard md`` options describe, for the given atomic numbers."""
+    """The potential ``twinshard md`` options describe, for the given atomic numbers.
+
+    ``mace``: the saved model ``cfg.model`` (mace-torch's ``torch.save``; :func:`load_mace`) or,
+    without it, the small random-weight MACE (:func:`build_mace`), behind :class:`MaceAdapter`;
+    a species of the structure the model does not know raises (a clear ValueError)."""
+    if cfg.model is not None and cfg.potential != "mace":
+        raise ValueError("--model is an option of --potential mace")
+    if cfg.potential == "mace":
+        if cfg.epsilon is not None or cfg.sigma is not None or cfg.lj or not cfg.shift:
+            raise ValueError("--epsilon/--sigma/--lj/--no-shift are options of --potential lj")
+        if cfg.cutoff is not None:
+            raise ValueError("--cutoff: a MACE model has its own cutoff (r_max)")
+        from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, load_mace
+
+        adapter = MaceAdapter(load_mace(cfg.model) if cfg.model else build_mace())
+        adapter.check_species(species)
+        return adapter
     kw: dict[str, Any] = {} if cfg.cutoff is None else {"cutoff": cfg.cutoff}
     if cfg.potential == "lj":
         params = lj_parameters(cfg, species)
@@ -383,7 +401,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     sharded = ShardedSystem.scatter(
         system, 0, cutoff=float(potential.cutoff), skin=cfg.skin, partition=cfg.partition
     )
-    dp = DistributedPotential(potential)
+    dp = DistributedPotential(potential, mode=potential_mode(potential))  # MACE: through the dispatch
     halo0 = sharded.n_halo
     shell = ghost_shell_estimate(
         sharded.n_total,
@@ -533,7 +551,7 @@ def _serial_reference(
     engine = SerialEngine(potential, system, skin=cfg.skin)
     with RssWindow() as rss:
         ref, peak = peak_memory_during(
-            lambda: evaluate(potential, system, engine.verlet), system.positions.device
+            lambda: evaluate_serial(potential, system, engine.verlet), system.positions.device
         )
         resident = _tensor_bytes(engine.system, engine.verlet.edges)
         run = simulate(
@@ -609,7 +627,20 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a structure file (extxyz, cif, POSCAR, ...) or an embedded name: "
         "fcc_argon, random_packing, triclinic_argon, lj_mixture",
     )
-    p.add_argument("--potential", choices=("lj", "mpnn"), default="lj")
+    p.add_argument(
+        "--potential",
+        choices=("lj", "mpnn", "mace"),
+        default="lj",
+        help="mace: mace-torch's MACE, unmodified, through the ShardTensor dispatch "
+        "(--model FILE, or a small random-weight default)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="FILE",
+        help="--potential mace: a MACE model saved by mace-torch (torch.save of the module); "
+        "default: a small random-weight MACE built offline",
+    )
     p.add_argument(
         "--epsilon", type=float, default=None, help="LJ well depth in eV, every species (default: argon's)"
     )

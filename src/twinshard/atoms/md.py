@@ -43,7 +43,6 @@ import torch
 from ase import units
 
 from twinshard.atoms.neighbors import VerletList
-from twinshard.atoms.potentials.base import evaluate
 from twinshard.atoms.system import System
 from twinshard.tensors import rng
 
@@ -253,7 +252,9 @@ class SerialEngine:
         self.system.velocities = velocities
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        res = evaluate(self.potential, self.system, self.verlet, compute_stress=False)
+        from twinshard.atoms.plain_inputs import evaluate_serial  # either contract (MACE: the plain one)
+
+        res = evaluate_serial(self.potential, self.system, self.verlet, compute_stress=False)
         return res.energy, res.forces
 
     def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:

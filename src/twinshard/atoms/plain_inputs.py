@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from twinshard.atoms.neighbors import Edges, neighbor_list
+from twinshard.atoms.neighbors import Edges, VerletList, neighbor_list
 from twinshard.atoms.potentials.base import Results
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
@@ -34,7 +34,46 @@ from twinshard.comm.ops import sync_params
 from twinshard.tensors.placements import HaloPadded, HaloState, ShardSpec
 from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
 
-__all__ = ["block_inputs", "dispatch_compute", "dispatch_energies", "evaluate_plain", "system_inputs"]
+__all__ = [
+    "as_potential",
+    "block_inputs",
+    "dispatch_compute",
+    "dispatch_energies",
+    "evaluate_plain",
+    "evaluate_serial",
+    "is_plain",
+    "potential_mode",
+    "system_inputs",
+]
+
+
+def is_plain(model: Any) -> bool:
+    """Does ``model`` follow the plain dict contract (``plain_contract = True``, or a ``forward``
+    taking ``compute_forces``) rather than the Graph contract?"""
+    if getattr(model, "plain_contract", False):
+        return True
+    import inspect
+
+    fwd = getattr(model, "forward", None)
+    try:
+        return fwd is not None and "compute_forces" in inspect.signature(fwd).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def potential_mode(model: Any) -> str:
+    """The ``DistributedPotential`` mode for ``model``: ``"dispatch"`` for a plain model."""
+    return "dispatch" if is_plain(model) else "hooks"
+
+
+def as_potential(model: Any) -> Any:
+    """A bare MACE module (mace-torch's ``MACE`` / ``ScaleShiftMACE``) behind
+    :class:`~twinshard.atoms.potentials.mace.MaceAdapter`; any other potential unchanged."""
+    if getattr(model, "cutoff", None) is None and hasattr(model, "r_max") and hasattr(model, "atomic_numbers"):
+        from twinshard.atoms.potentials.mace import MaceAdapter
+
+        return MaceAdapter(model)
+    return model
 
 
 def system_inputs(system: System, cutoff: float, edges: Edges | None = None) -> dict[str, torch.Tensor]:
@@ -53,9 +92,18 @@ def system_inputs(system: System, cutoff: float, edges: Edges | None = None) -> 
     }
 
 
-def evaluate_plain(model: nn.Module, system: System, compute_stress: bool = True) -> Results:
-    """Serial energy, per-atom energies, forces, stress and virial of a plain model."""
-    data = system_inputs(system, float(model.cutoff))
+def evaluate_plain(
+    model: nn.Module, system: System, compute_stress: bool = True, edges: Edges | VerletList | None = None
+) -> Results:
+    """Serial energy, per-atom energies, forces, stress and virial of a plain model.
+
+    ``edges``: a prebuilt list (at least the model's cutoff) or a :class:`VerletList` updated here
+    (edges beyond the cutoff, from the skin, must contribute nothing: a smooth cutoff)."""
+    if isinstance(edges, VerletList):
+        if edges.cutoff < float(model.cutoff):
+            raise ValueError(f"Verlet list cutoff {edges.cutoff} < potential cutoff {model.cutoff}")
+        edges, _ = edges.update(system.positions, system.cell, system.pbc, half=False)
+    data = system_inputs(system, float(model.cutoff), edges)
     data["positions"] = system.positions.detach().clone().requires_grad_(True)
     out = model(data, compute_forces=True, compute_stress=compute_stress)
     stress = out.get("stress")
@@ -67,6 +115,18 @@ def evaluate_plain(model: nn.Module, system: System, compute_stress: bool = True
         None if stress is None else stress[0].detach(),
         None if virial is None else virial[0].detach(),
     )
+
+
+def evaluate_serial(
+    potential: nn.Module, system: System, edges: Edges | VerletList | None = None, compute_stress: bool = True
+) -> Results:
+    """Serial evaluation of either contract: :func:`evaluate_plain` for a plain model, else
+    :func:`~twinshard.atoms.potentials.base.evaluate` (the Graph contract)."""
+    if is_plain(potential):
+        return evaluate_plain(potential, system, compute_stress, edges)
+    from twinshard.atoms.potentials.base import evaluate
+
+    return evaluate(potential, system, edges, compute_stress=compute_stress)
 
 
 def block_inputs(sharded: ShardedSystem, positions: torch.Tensor | None = None) -> dict[str, Any]:

@@ -21,6 +21,15 @@ the inputs' placement; anything else takes the default path (and raises there if
 ``rowwise_pick``
     ``x[arange(n), idx, ...]`` with ``n`` the local row count of a per-atom ShardTensor ``x``:
     row ``i`` of the result is drawn from row ``i`` of ``x``.
+``stack_then_sum``
+    ``torch.stack(ts, dim=0)`` of per-atom ShardTensors with the same spec (placement, plan,
+    group, systems; halo state FRESH or STALE) and shape, as MACE's ``ScaleShiftMACE`` does with
+    its per-layer node energies (``torch.sum(torch.stack(node_es_list, dim=0), dim=0)``): the atom
+    dimension moves to dim 1, which no ShardSpec describes, so the result is a
+    :class:`StackedRows` (the stacked local rows ``[k, n, ...]`` with the spec) whose only op is
+    the reduction over the new leading dim, ``sum(dim=0)``, giving back a per-atom ShardTensor;
+    every other op on it raises ``UnhandledAtomOp``. Every other stack / cat along the atom
+    dimension still raises.
 
 Halo state of the result: FRESH iff every per-atom input is FRESH and no plain input has the
 atom rows. No communication: the backward is the local op's backward on the local rows, which
@@ -35,9 +44,9 @@ import torch
 
 from twinshard.tensors.dispatch import REGISTRY, Handler
 from twinshard.tensors.placements import HaloState, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
+from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 
-__all__ = ["rowwise_handlers"]
+__all__ = ["StackedRows", "rowwise_handlers"]
 
 
 def _per_atom(t: Any) -> bool:
@@ -191,6 +200,84 @@ def _run_pick(func: Any, args: tuple, kwargs: dict) -> Any:
     return from_local(out, _spec_of(sts, plain_rows))
 
 
+# ---------------------------------------------------------------------- sum(stack(ts, 0), 0)
+class StackedRows(torch.Tensor):
+    """``torch.stack`` of per-atom ShardTensors along a new leading dim: the local ``[k, n, ...]``
+    (a plain-tensor subclass attached to the autograd graph) and the ShardSpec of its dim 1. Only
+    ``sum(dim=0)`` (over the new dim) is defined: it returns a per-atom ShardTensor; any other op
+    raises ``UnhandledAtomOp`` (the atom rows sit at dim 1, which the dispatch does not track)."""
+
+    _spec: ShardSpec
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "sum" and _sum_leading(args, kwargs):
+            x: StackedRows = args[0]
+            with torch._C.DisableTorchFunctionSubclass():
+                out = x.as_subclass(torch.Tensor).sum(0)
+            return from_local(out, x._spec)
+        if name in _STACKED_BENIGN:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        raise UnhandledAtomOp(
+            f"{name or func} on a stack of per-atom ShardTensors (atom rows at dim 1): only "
+            "sum(dim=0) over the stacked dim is handled (stack_then_sum); call .to_local() on the "
+            "inputs and do the communication explicitly"
+        )
+
+    def __repr__(self) -> str:
+        with torch._C.DisableTorchFunctionSubclass():
+            return f"StackedRows({self._spec!r}, local={self.as_subclass(torch.Tensor)!r})"
+
+
+# attribute reads and metadata only (no values over the atom rows)
+_STACKED_BENIGN = {"__get__", "size", "dim", "numel", "__len__", "__format__", "requires_grad_"}
+
+
+def _sum_leading(args: tuple, kwargs: dict) -> bool:
+    if not args or not isinstance(args[0], StackedRows) or set(kwargs) - {"dim", "keepdim"}:
+        return False
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    return isinstance(dim, int) and dim % args[0].dim() == 0 and not keepdim and len(args) <= 3
+
+
+def _stack_parts(func: Any, args: tuple, kwargs: dict) -> list[ShardTensor] | None:
+    if func is not torch.stack or not args or not isinstance(args[0], (list, tuple)) or not args[0]:
+        return None
+    if set(kwargs) - {"dim"} or len(args) > 2:
+        return None
+    ts = list(args[0])
+    if not all(_per_atom(t) for t in ts):
+        return None
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if not isinstance(dim, int) or dim % (ts[0].dim() + 1) != 0:
+        return None
+    ref = ts[0]
+    for t in ts:
+        if t.shape != ref.shape or t.dtype != ref.dtype or t._spec.row_block != 1:
+            return None
+        if t._spec.state == HaloState.PARTIAL or t._spec.n_systems != ref._spec.n_systems:
+            return None
+        if t._spec.group is not ref._spec.group:
+            return None
+    return ts if _same_layout(ts) else None
+
+
+def _run_stack(func: Any, args: tuple, kwargs: dict) -> Any:
+    ts = _stack_parts(func, args, kwargs)
+    assert ts is not None
+    with torch._C.DisableTorchFunctionSubclass():
+        local = torch.stack([to_local(t) for t in ts], dim=0)
+    out = local.as_subclass(StackedRows)
+    out._spec = _spec_of(ts, False)
+    return out
+
+
 def rowwise_handlers() -> list[Handler]:
     return [
         Handler("rowwise_pick", lambda f, a, k: _pick_key(f, a) is not None, _run_pick, "x[arange(n), idx]"),
@@ -201,6 +288,12 @@ def rowwise_handlers() -> list[Handler]:
             "row-wise einsum",
         ),
         Handler("rowwise_tensordot", _tensordot_pred, _run_tensordot, "tensordot keeping the rows"),
+        Handler(
+            "stack_then_sum",
+            lambda f, a, k: _stack_parts(f, a, k) is not None,
+            _run_stack,
+            "stack per-atom tensors along a new dim 0, then sum over it",
+        ),
     ]
 
 

@@ -31,7 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MaceAdapter", "build_mace", "load_mace", "mace_native", "mace_available"]
+__all__ = [
+    "MaceAdapter",
+    "build_mace",
+    "build_scaleshift_mace",
+    "load_mace",
+    "mace_native",
+    "mace_available",
+]
 
 DEFAULT_SPECIES = (1, 6, 8, 29)
 
@@ -73,11 +80,14 @@ def build_mace(
     avg_num_neighbors: float = 10.0,
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
+    scale_shift: tuple[float, float] | None = None,
 ) -> nn.Module:
     """A small ``mace.modules.MACE`` with random weights (offline; the embedded default).
 
     Residual interaction blocks (the mace-torch default), ``hidden_irreps`` with ``1o`` features,
-    a non-linear readout, per-species E0s drawn from ``seed``; every weight drawn from ``seed``."""
+    a non-linear readout, per-species E0s drawn from ``seed``; every weight drawn from ``seed``.
+    ``scale_shift=(scale, shift)`` builds mace's ``ScaleShiftMACE`` instead (the class of real
+    saved models such as MACE-MP: ``atomic_inter_scale`` / ``atomic_inter_shift``)."""
     _require()
     import numpy as np
     from e3nn import o3
@@ -89,7 +99,13 @@ def build_mace(
     block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
     with _default_dtype(dtype):
         torch.manual_seed(int(seed))
-        model = modules.MACE(
+        cls: Any = modules.MACE
+        extra: dict[str, Any] = {}
+        if scale_shift is not None:
+            cls = modules.ScaleShiftMACE
+            extra = {"atomic_inter_scale": float(scale_shift[0]), "atomic_inter_shift": float(scale_shift[1])}
+        model = cls(
+            **extra,
             r_max=float(r_max),
             num_bessel=int(num_bessel),
             num_polynomial_cutoff=5,
@@ -115,6 +131,11 @@ def build_mace(
     return model.to(dtype)
 
 
+def build_scaleshift_mace(scale: float = 1.7, shift: float = -0.3, **kwargs: Any) -> nn.Module:
+    """A small random-weight ``mace.modules.ScaleShiftMACE`` (``build_mace`` with ``scale_shift``)."""
+    return build_mace(scale_shift=(scale, shift), **kwargs)
+
+
 def load_mace(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """A MACE model saved by mace-torch (``torch.save(model, path)``), loaded as mace's calculator
     does: ``torch.load(path, map_location=device)`` (the whole pickled module; trust the file)."""
@@ -132,6 +153,8 @@ def load_mace(path: str, device: str | torch.device = "cpu", dtype: torch.dtype 
 class MaceAdapter(nn.Module):
     """A MACE module behind twinshard's plain-model contract (see the module docstring)."""
 
+    plain_contract = True  # dict in, dict out (atoms.plain_inputs): DistributedPotential(mode="dispatch")
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
@@ -145,6 +168,15 @@ class MaceAdapter(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    def check_species(self, species: Sequence[int]) -> None:
+        """Raise a clear ``ValueError`` if some atomic numbers have no parameters in this model."""
+        missing = sorted({int(z) for z in species} - set(self.species))
+        if missing:
+            raise ValueError(
+                f"the MACE model has no parameters for atomic numbers {missing} of the structure; "
+                f"it knows {self.species} (its atomic_numbers)"
+            )
 
     def mace_inputs(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """mace's data dict from twinshard's plain-model dict (ShardTensors pass through)."""
