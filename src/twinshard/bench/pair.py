@@ -325,8 +325,23 @@ def bench_rank(
                 torch.set_num_threads(saved_threads)
             timing["matmul_gflops"] = matmul_gflops(dtype, threads)
         sync()
+    return {**timing, **rank_figures(err_out, err_in, err_par, cpm, ser, f, b_, npad)}
+
+
+def rank_figures(
+    err_out: float,
+    err_in: float,
+    err_par: float,
+    cpm: dict[str, Any],
+    ser: dict[str, Any],
+    f: dict[str, Any],
+    b_: dict[str, Any],
+    npad: int,
+) -> dict[str, Any]:
+    """One rank's figures for every ``bench pair`` op: parity errors, memory (tensor and resident
+    peaks, saved bytes) and time from ``measure`` of the twin (``cpm``) and the serial module
+    (``ser``), forward/backward ledger summaries (``f``, ``b_``), the padded token count."""
     return {
-        **timing,
         "err_out": err_out,
         "err_in": err_in,
         "err_par": err_par,

@@ -122,7 +122,7 @@ def bench_rank_op(
 ) -> dict[str, Any]:
     """This rank's figures for a trunk op (the keys of ``twinshard.bench.pair.bench_rank``; no
     timed repeats: ``seconds_runs`` is empty)."""
-    from twinshard.bench.pair import measure
+    from twinshard.bench.pair import measure, rank_figures
     from twinshard.comm import CommLedger
     from twinshard.pair.features import PairLayout, with_layout
     from twinshard.runtime import get_world, make_grid
@@ -189,31 +189,8 @@ def bench_rank_op(
     err_in = max((gather(local[k].grad, KINDS[k]) - leaves[k].grad).abs().max().item() for k in diff)
     err_par = max((a.grad - b.grad).abs().max().item() for a, b in zip(serial.parameters(), cp.parameters()))
     f, b_ = fwd_ledger.summary(), bwd_ledger.summary()
-    return {
-        "seconds_runs": [],
-        "serial_seconds_runs": [],
-        "matmul_gflops": None,
-        "err_out": err_out,
-        "err_in": err_in,
-        "err_par": err_par,
-        "saved": cpm["saved_bytes"],
-        "peak": cpm["peak_bytes"],
-        "seconds": cpm["seconds"],
-        "serial_saved": ser["saved_bytes"],
-        "serial_peak": ser["peak_bytes"],
-        "rss_peak": cpm["rss_peak_bytes"],
-        "rss_reset": cpm["rss_reset"],
-        "rss_source": cpm["rss_source"],
-        "serial_rss_peak": ser["rss_peak_bytes"],
-        "serial_seconds": ser["seconds"],
-        "comm_fwd": max(f["bytes_sent"], f["bytes_recv"]),
-        "comm_fwd_sent": f["bytes_sent"],
-        "comm_fwd_recv": f["bytes_recv"],
-        "comm_bwd": max(b_["bytes_sent"], b_["bytes_recv"]),
-        "ledger_forward": f,
-        "ledger_backward": b_,
-        "padded_tokens": npad,
-    }
+    untimed = {"seconds_runs": [], "serial_seconds_runs": [], "matmul_gflops": None}
+    return {**untimed, **rank_figures(err_out, err_in, err_par, cpm, ser, f, b_, npad)}
 
 
 def plot_memory_and_bytes(results: list[dict[str, Any]], path: str) -> None:
