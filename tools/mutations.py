@@ -123,7 +123,8 @@ MUTATIONS: list[Mutation] = [
         "atoms/sharded.py",
         "keep = edges.receivers < self.n_owned",
         "keep = edges.receivers <= self.n_owned",
-        ("tests/atoms/test_distributed.py", "tests/atoms/test_sharded.py"),
+        # hooks-mode potentials overwrite halo rows, so only the halo invariant sees the extra edges
+        ("tests/atoms/test_halo.py", "tests/atoms/test_distributed.py"),
     ),
     # -- atoms: migration, rebuild, global sums, MD keys
     M(
