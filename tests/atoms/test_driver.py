@@ -14,7 +14,7 @@ from twinshard.atoms.driver import MDConfig, add_md_parser, md_rank, result_keys
 from twinshard.atoms.io import read_trajectory, write
 from twinshard.atoms.structures import random_packing
 from twinshard.runtime import RankFailure
-from twinshard.testing import run_on_world
+from twinshard.testing import assert_parity, run_on_world, tolerance
 
 # a small hot liquid: atoms cross subdomain faces within 200 steps (migrations > 0)
 ARGS = [
@@ -72,6 +72,42 @@ def test_cli_json_nve_on_4_ranks_equals_serial(capsys, tmp_path):
     frames = read_trajectory(traj)  # gathered on rank 0 at steps 0, 100, 200
     assert len(frames) == 3 and all(torch.equal(f.ids, torch.arange(160)) for f in frames)
     assert len(thermo.read_text().splitlines()) == 1 + 5  # header + steps 0, 50, ..., 200
+
+
+def test_cli_arrays_of_4_ranks_equal_the_serial_cli_run(capsys):
+    """The 4-rank CLI run against the serial CLI run through the harness: final positions,
+    velocities and forces by atom id, energies, stress (evidence lines, round-off gate)."""
+    runs = {}
+    for ranks in ("4", "1"):
+        argv = [a for a in ARGS if a != "--check-serial"] + ["--json", "--json-arrays"]
+        argv[argv.index("--ranks") + 1] = ranks
+        run_md(_parse(argv))
+        runs[ranks] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    dist_, ser = runs["4"], runs["1"]
+    assert dist_["migrations"] > 0 and dist_["ranks"] == 4 and ser["ranks"] == 1
+    assert dist_["final_ids"] == ser["final_ids"] == list(range(160))
+
+    def f64(x):  # JSON numbers are Python floats (fp64): keep them so
+        return torch.tensor(x, dtype=torch.float64)
+
+    for key in ("final_positions", "final_velocities", "final_forces", "final_stress"):
+        what = f"md CLI 4 ranks vs serial, 200 steps: {key}"
+        assert_parity(f64(dist_[key]), f64(ser[key]), what=what, grid="4")
+    for key in ("energy", "final_potential", "final_temperature"):
+        assert_parity(f64(dist_[key]), f64(ser[key]), what=f"md CLI {key}", grid="4")
+    # the drift is a difference of two conserved energies: its round-off scales with theirs
+    scale = max(abs(ser["energy"]), abs(ser["final_potential"]), 1.0)
+    budget = tolerance(torch.float64, scale).atol
+    why = f"difference of two energies of magnitude <= {scale:.3g}: twice their round-off budget"
+    assert_parity(
+        f64(dist_["conserved_drift"]),
+        f64(ser["conserved_drift"]),
+        what="md CLI conserved_drift",
+        grid="4",
+        rtol=0.0,
+        atol=2 * budget,
+        why=why,
+    )
 
 
 def test_langevin_on_4_ranks_equals_serial():
