@@ -277,6 +277,7 @@ def _rank_peak(grid, b, n, layers, checkpointing):
     zd = shard_tensor(z, "pair", grid, layout).detach().requires_grad_(True)
     md, pmd = shard_tensor(mask, "single", grid, layout), shard_tensor(pair_mask, "pair", grid, layout)
     inputs = sd.to_local().nbytes + zd.to_local().nbytes
+    tile = zd.to_local().nbytes
     # random output gradients, allocated before the measured window (the same in every run)
     gs, gz = (random_grad_output(t.to_local(), seed=5 + i) for i, t in enumerate((sd, zd)))
 
@@ -287,7 +288,7 @@ def _rank_peak(grid, b, n, layers, checkpointing):
     step()  # warm-up: lazily built communication plans and caches
     sd.grad = zd.grad = None
     _, peak = peak_memory_during(step, torch.device("cpu"))
-    return peak, inputs
+    return peak, inputs, tile
 
 
 def _peaks(grid, b, n):
@@ -305,14 +306,14 @@ def test_checkpointing_peak_memory():
     and do not shrink with checkpointing); the inputs require grad, so backward runs through
     every layer and every recompute.
 
-    Allowance: 64 B per layer for scalar bookkeeping the checkpoint frames keep (agreed
-    control scalars, 0-d tensors of the recompute); measured 16-30 B per extra layer, against
-    2 kB of saved inputs per layer. Before torch's RNG state stopped being saved per layer
+    Allowance: one pair tile of z (the receive buffer of an overlapped ring shift: whether it is
+    alive at the moment of the peak depends on message timing, measured 0-460 B over the strict
+    bound across runs). Before torch's RNG state stopped being saved per layer
     (``preserve_rng_state=False``: dropout is counter-based) the excess was ~7.4 kB per layer."""
     peaks = _peaks((2, 2), 2, 8)
-    for r, ((p1, inp), (p4, _)) in enumerate(zip(peaks["one"], peaks["four"])):
-        assert p4 <= p1 + 4 * inp + 4 * 64, (
-            f"rank {r}: checkpointed 4-layer peak {p4} > one layer {p1} + 4 x inputs {inp} + 4 x 64 B"
+    for r, ((p1, inp, tile), (p4, _, _)) in enumerate(zip(peaks["one"], peaks["four"])):
+        assert p4 <= p1 + 4 * inp + tile, (
+            f"rank {r}: checkpointed 4-layer peak {p4} > one layer {p1} + 4 x inputs {inp} + one z tile {tile}"
         )
 
 
@@ -320,7 +321,9 @@ def test_checkpointing_scaling():
     """What holds today (2x2, N=8): the checkpointed 4-layer peak is at most 1.3 x one layer's and
     below 0.4 x the un-checkpointed 4-layer peak (which grows ~4x); the recompute runs layer by layer."""
     peaks = _peaks((2, 2), 2, 8)
-    for r, ((p1, inp), (p4, _), (p4n, _)) in enumerate(zip(peaks["one"], peaks["four"], peaks["four_plain"])):
+    for r, ((p1, inp, _), (p4, _, _), (p4n, _, _)) in enumerate(
+        zip(peaks["one"], peaks["four"], peaks["four_plain"])
+    ):
         print(f"rank {r}: one layer {p1}, 4 layers checkpointed {p4}, 4 plain {p4n}, inputs {inp}")
         assert p4 <= 1.3 * p1, f"rank {r}: checkpointed 4-layer peak {p4} > 1.3 x one layer {p1}"
         assert p4 < 0.4 * p4n, f"rank {r}: checkpointing saved too little ({p4} vs {p4n})"
