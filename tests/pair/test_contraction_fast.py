@@ -20,7 +20,7 @@ from twinshard.pair.layers.outer_product import OPM_SPEC
 from twinshard.pair.layers.triangle import TRIMUL_SPECS
 from twinshard.runtime import make_grid
 from twinshard.tensors.dtensor import MSA, PAIR, local_block
-from twinshard.testing import run_on_grid
+from twinshard.testing import assert_parity, run_on_grid
 
 
 def _full(shape, seed, dtype=torch.float64):
@@ -99,5 +99,6 @@ def test_bf16_wire_halves_bytes_and_rounds_once():
         assert (diff <= ulp).all()
         assert (diff == 0).float().mean() > 0.99
         # a bf16 accumulation would be far off; fp32 results equal the fp32 ones at round-off
-        torch.testing.assert_close(o32, ref, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(ga16, ga, rtol=1e-6, atol=1e-6)
+        n = 16  # the contraction length: the N tokens of _wire
+        assert_parity(o32, ref, what="bf16-wire trimul, fp32 run: output", grid="2x2", reduction=n)
+        assert_parity(ga16, ga, what="bf16-wire trimul: fp32 gradient of a", grid="2x2", reduction=n)
