@@ -17,6 +17,7 @@ from twinshard.pair.features import PairLayout, collect_tensor, real_part, shard
 from twinshard.pair.layers import CPDropout, CPLayerNorm, CPLinear, CPTransition, pointwise, tokenwise
 from twinshard.pair.layers import dropout as cp_dropout
 from twinshard.pair.reference import Dropout, LayerNorm, Linear, Transition
+from twinshard.tensors.memory import SavedBytes
 from twinshard.testing import (
     TwinResult,
     check_twin,
@@ -232,17 +233,10 @@ def _rank_overcount(grid, cases, kind, n, s):
 
 
 def _saved_bytes(fn) -> int:
-    """Bytes of the distinct tensors autograd saves for backward while ``fn`` runs."""
-    seen: dict[tuple, int] = {}
-
-    def pack(t):
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-        seen[key] = t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs."""
+    with SavedBytes() as saved:
         fn()
-    return sum(seen.values())
+    return saved.bytes
 
 
 def _rank_saved(grid, n):

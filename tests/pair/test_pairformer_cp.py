@@ -39,7 +39,7 @@ from twinshard.pair.features import (
 )
 from twinshard.pair.layers.pairformer import CPPairformerLayer, CPPairformerStack
 from twinshard.pair.reference import PairformerLayer, PairformerStack, assign_dropout_streams
-from twinshard.tensors.memory import peak_memory_during
+from twinshard.tensors.memory import SavedBytes, peak_memory_during
 from twinshard.testing import (
     TwinResult,
     assert_parity,
@@ -221,17 +221,10 @@ def test_cp_pairformer_stack_matches_serial(grid, n, checkpointing):
 
 
 def _saved_bytes(forward) -> int:
-    storages: dict[tuple[int, int], int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[(s.data_ptr(), s.nbytes())] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes() as saved:
         out = forward()
     del out
-    return sum(storages.values())
+    return saved.bytes
 
 
 def _rank_saved(grid, b, n):

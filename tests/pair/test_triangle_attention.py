@@ -45,6 +45,7 @@ from twinshard.pair.reference.triangle_attention import (
     TriangleAttentionStartingNode,
 )
 from twinshard.tensors.dtensor import PAIR, tile_slices
+from twinshard.tensors.memory import SavedBytes
 from twinshard.testing import (
     TwinResult,
     check_twin,
@@ -268,17 +269,10 @@ def test_cp_triangle_attention_fp32(grid, n):
 
 
 def _saved_bytes(forward) -> int:
-    storages: dict[tuple[int, int], int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[(s.data_ptr(), s.nbytes())] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes() as saved:
         out = forward()
     del out
-    return sum(storages.values())
+    return saved.bytes
 
 
 def _rank_saved(grid, node, n, b):

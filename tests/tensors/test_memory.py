@@ -96,3 +96,15 @@ def test_resident_peak_reports_a_refused_reset(monkeypatch):
         pass
     assert w.reset is False and w.peak_bytes >= w.start_bytes > 0
     assert memory.read_status_bytes("VmHWM")["VmHWM"] > 0
+
+
+def test_saved_and_storage_bytes_count_each_storage_once():
+    from twinshard.tensors.memory import SavedBytes, storage_bytes
+
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    assert storage_bytes([x, x[:2], x.t()]) == x.nbytes  # views share one storage
+    with SavedBytes() as saved:
+        y = (x @ w).tanh()  # saves x, w and tanh's output
+    assert saved.bytes == x.nbytes + w.nbytes + y.nbytes
+    assert saved.bytes_without([w]) == x.nbytes + y.nbytes

@@ -70,7 +70,7 @@ from twinshard.atoms.md import (
 from twinshard.atoms.plain_inputs import evaluate_serial, potential_mode
 from twinshard.atoms.potentials import make_potential
 from twinshard.atoms.system import System
-from twinshard.tensors.memory import RssWindow, peak_memory_during
+from twinshard.tensors.memory import RssWindow, peak_memory_during, storage_bytes
 
 __all__ = [
     "MDConfig",
@@ -271,17 +271,11 @@ def ghost_shell_estimate(
 
 def _tensor_bytes(*objs: Any) -> int:
     """Bytes of the distinct tensor storages reachable from ``objs`` (3 levels deep)."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
+    found: list[torch.Tensor] = []
 
     def visit(o: Any, depth: int) -> None:
-        nonlocal total
         if torch.is_tensor(o):
-            s = o.untyped_storage()
-            key = (s.data_ptr(), s.nbytes())
-            if key not in seen:
-                seen.add(key)
-                total += s.nbytes()
+            found.append(o)
             return
         if depth == 0 or isinstance(o, (str, bytes, int, float, bool)) or o is None:
             return
@@ -298,7 +292,7 @@ def _tensor_bytes(*objs: Any) -> int:
 
     for o in objs:
         visit(o, 3)
-    return total
+    return storage_bytes(found)
 
 
 # ------------------------------------------------------------------------ engines

@@ -55,7 +55,7 @@ from twinshard.comm import CommLedger
 from twinshard.comm.ledger import BYTES_MODEL
 from twinshard.pair.layers.contraction import schedule_name
 from twinshard.runtime import get_world, make_grid, shared_pool
-from twinshard.tensors.memory import RssWindow, peak_memory_during
+from twinshard.tensors.memory import RssWindow, SavedBytes, peak_memory_during
 
 __all__ = ["OPS", "add_parser", "bench_rank", "measure", "parse_grid", "run"]
 
@@ -108,15 +108,10 @@ def measure(
     forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None], device: torch.device
 ) -> dict[str, Any]:
     """Saved-for-backward bytes, peak bytes and wall time of ``backward(forward())``."""
-    storages: dict[tuple[int, int], int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        storages[(s.data_ptr(), s.nbytes())] = s.nbytes()
-        return t
+    saved = SavedBytes()
 
     def step() -> None:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved:
             out = forward()
         backward(out)
 
@@ -124,7 +119,7 @@ def measure(
     with RssWindow() as rss:
         _, peak = peak_memory_during(step, device)
     return {
-        "saved_bytes": sum(storages.values()),
+        "saved_bytes": saved.bytes,
         "peak_bytes": peak,
         "rss_peak_bytes": rss.peak_bytes,
         "rss_reset": rss.reset,

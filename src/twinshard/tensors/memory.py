@@ -30,7 +30,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["MemoryMeasurementError", "RssWindow", "peak_memory_during", "read_status_bytes"]
+__all__ = [
+    "MemoryMeasurementError",
+    "RssWindow",
+    "SavedBytes",
+    "peak_memory_during",
+    "read_status_bytes",
+    "storage_bytes",
+]
 
 
 class MemoryMeasurementError(RuntimeError):
@@ -176,3 +183,47 @@ class RssWindow:
             f"{prefix}reset": self.reset,
             f"{prefix}source": self.source,
         }
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once): the
+    one byte count of held tensors (saved for backward, neighbour lists, systems)."""
+    return sum(nbytes for _, nbytes in {_storage_key(t) for t in tensors})
+
+
+class SavedBytes:
+    """Context manager: the storages autograd saves for backward while it is open
+    (``saved_tensors_hooks``), each distinct storage counted once.
+
+    ``with SavedBytes() as saved: out = forward()``; then ``saved.bytes`` (all of them) or
+    ``saved.bytes_without(params)`` (leaving out, e.g., parameters every rank holds whole)."""
+
+    def __init__(self) -> None:
+        self.storages: dict[tuple[int, int], int] = {}
+        self._hooks: Any = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        self.storages[key] = key[1]
+        return t
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def bytes_without(self, tensors: Any) -> int:
+        skip = {_storage_key(t) for t in tensors}
+        return sum(b for k, b in self.storages.items() if k not in skip)
