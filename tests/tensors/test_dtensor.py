@@ -39,7 +39,7 @@ def test_padded_tokens_is_multiple_of_lcm(n, shape, want):
 def test_padding_helpers():
     assert padded_sequences(5, (2, 3)) == 6 and padded_sequences(4, (2, 3)) == 4
     assert pad_multiple(1, 4) == 4
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"sizes must be positive, got n=0, multiple=4"):
         pad_multiple(0, 4)
     m = padding_mask(3, 5)
     assert m.tolist() == [1, 1, 1, 0, 0] and m.dtype == torch.float64
