@@ -309,3 +309,31 @@ def test_pairformer_vs_boltz(dropout, blocks, boltz_fp64, monkeypatch):
         "pairformer",
         boltz_fp64,
     )
+
+
+def test_trunk_checkpoint_loads_into_boltz(tmp_path, boltz_fp64):
+    """A checkpoint of twinshard's trunk (``pair.train.save_checkpoint``: plain tensors with the
+    serial names) loads unchanged (strict) into Boltz's ``PairformerModule``, which then computes
+    what our stack computes (eval mode, fp64)."""
+    from twinshard.pair.train import Trunk, save_checkpoint
+
+    cs, cz, n, blocks = 4, 4, 6, 2
+    kw = dict(num_heads=2, dropout=0.0, pairwise_head_width=2, pairwise_num_heads=2)
+    trunk = Trunk(cs, cz, blocks, num_bins=8, **kw).double()
+    randomize_parameters(trunk, seed=31)
+    path = tmp_path / "trunk.pt"
+    save_checkpoint(path, trunk)
+    state = torch.load(path, weights_only=True)["model"]
+    prefix = "pairformer_module."
+    theirs = boltz_pairformer.PairformerModule(cs, cz, blocks, v2=True, **kw).double()
+    theirs.load_state_dict(
+        {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, strict=True
+    )
+    theirs.eval()
+    ours = trunk.pairformer_module.eval()
+    s, z, mask, pair_mask = trunk_inputs(n, cs, cz, seed=41)
+    out_o = ours(s, z, mask, pair_mask)
+    with boltz_fp64():
+        out_t = theirs(s, z, mask, pair_mask)
+    for k, (a, e) in enumerate(zip(out_o, out_t)):
+        assert_parity(a, e, what=f"trunk checkpoint in boltz PairformerModule: out{k}")
