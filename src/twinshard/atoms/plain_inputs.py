@@ -69,7 +69,11 @@ def potential_mode(model: Any) -> str:
 def as_potential(model: Any) -> Any:
     """A bare MACE module (mace-torch's ``MACE`` / ``ScaleShiftMACE``) behind
     :class:`~twinshard.atoms.potentials.mace.MaceAdapter`; any other potential unchanged."""
-    if getattr(model, "cutoff", None) is None and hasattr(model, "r_max") and hasattr(model, "atomic_numbers"):
+    if (
+        getattr(model, "cutoff", None) is None
+        and hasattr(model, "r_max")
+        and hasattr(model, "atomic_numbers")
+    ):
         from twinshard.atoms.potentials.mace import MaceAdapter
 
         return MaceAdapter(model)
