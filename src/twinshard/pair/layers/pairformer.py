@@ -65,7 +65,7 @@ from twinshard.pair.layers.triangle_attention import (
     CPTriangleAttentionEndingNode,
     CPTriangleAttentionStartingNode,
 )
-from twinshard.pair.reference.dropout import CONVENTIONS, assign_dropout_streams
+from twinshard.pair.reference.pairformer import PairformerParts, build_layer, build_stack
 from twinshard.tensors.dtensor import PAIR, SINGLE, check_placements, from_local
 
 __all__ = ["CPPairformerLayer", "CPPairformerStack", "agree_scalars"]
@@ -88,6 +88,18 @@ def agree_scalars(values: Mapping[str, Any], what: str, group: dist.ProcessGroup
     if any(v != every[0] for v in every):
         rows = "; ".join(f"rank {r}: {dict(v)}" for r, v in enumerate(every))
         raise ValueError(f"{what}: control-flow scalars differ across ranks ({rows})")
+
+
+CP_PARTS = PairformerParts(
+    CPLayerNorm,
+    CPAttentionPairBias,
+    CPTriangleMultiplicationOutgoing,
+    CPTriangleMultiplicationIncoming,
+    CPTriangleAttentionStartingNode,
+    CPTriangleAttentionEndingNode,
+    CPTransition,
+    CPDropout,
+)
 
 
 class _PlainArgs:
@@ -120,32 +132,19 @@ class CPPairformerLayer(_PlainArgs, nn.Module):
         convention: str = "boltz",
     ):
         super().__init__()
-        if convention not in CONVENTIONS:
-            raise ValueError(f"dropout convention must be one of {CONVENTIONS}, got {convention!r}")
-        self.token_s = token_s
-        self.token_z = token_z
-        self.num_heads = num_heads
-        self.dropout = float(dropout)
-        self.post_layer_norm = bool(post_layer_norm)
-        self.convention = convention
         # registration order = the serial PairformerLayer's (so named_parameters() agree)
-        self.pre_norm_s = CPLayerNorm(token_s)
-        self.attention = CPAttentionPairBias(token_s, token_z, num_heads)
-        self.tri_mul_out = CPTriangleMultiplicationOutgoing(token_z)
-        self.tri_mul_in = CPTriangleMultiplicationIncoming(token_z)
-        self.tri_att_start = CPTriangleAttentionStartingNode(
-            token_z, pairwise_head_width, pairwise_num_heads, inf=1e9
+        build_layer(
+            self,
+            CP_PARTS,
+            token_s,
+            token_z,
+            num_heads,
+            dropout,
+            pairwise_head_width,
+            pairwise_num_heads,
+            post_layer_norm,
+            convention,
         )
-        self.tri_att_end = CPTriangleAttentionEndingNode(
-            token_z, pairwise_head_width, pairwise_num_heads, inf=1e9
-        )
-        self.transition_s = CPTransition(token_s, 4 * token_s)
-        self.transition_z = CPTransition(token_z, 4 * token_z)
-        self.s_post_norm = CPLayerNorm(token_s) if self.post_layer_norm else nn.Identity()
-        self.dropout_tri_mul_out = CPDropout(dropout, convention=convention)
-        self.dropout_tri_mul_in = CPDropout(dropout, convention=convention)
-        self.dropout_tri_att_start = CPDropout(dropout, convention=convention)
-        self.dropout_tri_att_end = CPDropout(dropout, columnwise=True, convention=convention)
 
     def pair_stack(self, z: DTensor, pair_mask: DTensor | None, seed: int | None = None) -> DTensor:
         """The pair half: four dropped-out residual updates and the transition."""
@@ -222,24 +221,20 @@ class CPPairformerStack(_PlainArgs, nn.Module):
         convention: str = "boltz",
     ):
         super().__init__()
-        self.token_s = token_s
-        self.token_z = token_z
-        self.num_blocks = int(num_blocks)
-        self.activation_checkpointing = bool(activation_checkpointing)
-        self.layers = nn.ModuleList(
-            CPPairformerLayer(
-                token_s,
-                token_z,
-                num_heads,
-                dropout,
-                pairwise_head_width,
-                pairwise_num_heads,
-                post_layer_norm,
-                convention,
-            )
-            for _ in range(self.num_blocks)
+        build_stack(
+            self,
+            CPPairformerLayer,
+            token_s,
+            token_z,
+            num_blocks,
+            num_heads,
+            dropout,
+            pairwise_head_width,
+            pairwise_num_heads,
+            post_layer_norm,
+            activation_checkpointing,
+            convention,
         )
-        assign_dropout_streams(self)
 
     def control_scalars(self, seed: int | None) -> dict[str, Any]:
         """The values every rank's control flow depends on (checked equal before use)."""

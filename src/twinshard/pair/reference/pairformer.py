@@ -30,6 +30,8 @@ transition_s, transition_z, s_post_norm`` and ``layers.<i>``; the dropout sites
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -45,6 +47,95 @@ from twinshard.pair.reference.triangle_attention import (
 )
 
 __all__ = ["PairformerLayer", "PairformerStack"]
+
+
+@dataclass(frozen=True)
+class PairformerParts:
+    """The module classes a Pairformer layer is built from: the serial ones (``SERIAL_PARTS``) or
+    their CP twins (``pair.layers.pairformer``), so both register the same names in one order."""
+
+    layer_norm: type[nn.Module]
+    attention: type[nn.Module]
+    tri_mul_out: type[nn.Module]
+    tri_mul_in: type[nn.Module]
+    tri_att_start: type[nn.Module]
+    tri_att_end: type[nn.Module]
+    transition: type[nn.Module]
+    dropout: type[nn.Module]
+
+
+SERIAL_PARTS = PairformerParts(
+    LayerNorm,
+    AttentionPairBias,
+    TriangleMultiplicationOutgoing,
+    TriangleMultiplicationIncoming,
+    TriangleAttentionStartingNode,
+    TriangleAttentionEndingNode,
+    Transition,
+    Dropout,
+)
+
+
+def build_layer(
+    layer: nn.Module,
+    parts: PairformerParts,
+    token_s: int,
+    token_z: int,
+    num_heads: int,
+    dropout: float,
+    pairwise_head_width: int,
+    pairwise_num_heads: int,
+    post_layer_norm: bool,
+    convention: str,
+) -> None:
+    """Register a Pairformer layer's settings and parts on ``layer`` in Boltz-2's order (the
+    order ``named_parameters()`` and a Boltz ``state_dict`` follow)."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"dropout convention must be one of {CONVENTIONS}, got {convention!r}")
+    layer.token_s = token_s
+    layer.token_z = token_z
+    layer.num_heads = num_heads
+    layer.dropout = float(dropout)
+    layer.post_layer_norm = bool(post_layer_norm)
+    layer.convention = convention
+    layer.pre_norm_s = parts.layer_norm(token_s)
+    layer.attention = parts.attention(token_s, token_z, num_heads)
+    layer.tri_mul_out = parts.tri_mul_out(token_z)
+    layer.tri_mul_in = parts.tri_mul_in(token_z)
+    layer.tri_att_start = parts.tri_att_start(token_z, pairwise_head_width, pairwise_num_heads, inf=1e9)
+    layer.tri_att_end = parts.tri_att_end(token_z, pairwise_head_width, pairwise_num_heads, inf=1e9)
+    layer.transition_s = parts.transition(token_s, 4 * token_s)
+    layer.transition_z = parts.transition(token_z, 4 * token_z)
+    layer.s_post_norm = parts.layer_norm(token_s) if layer.post_layer_norm else nn.Identity()
+    layer.dropout_tri_mul_out = parts.dropout(dropout, convention=convention)
+    layer.dropout_tri_mul_in = parts.dropout(dropout, convention=convention)
+    layer.dropout_tri_att_start = parts.dropout(dropout, convention=convention)
+    layer.dropout_tri_att_end = parts.dropout(dropout, columnwise=True, convention=convention)
+
+
+def build_stack(
+    stack: nn.Module,
+    layer_cls: type[nn.Module],
+    token_s: int,
+    token_z: int,
+    num_blocks: int,
+    num_heads: int,
+    dropout: float,
+    pairwise_head_width: int,
+    pairwise_num_heads: int,
+    post_layer_norm: bool,
+    activation_checkpointing: bool,
+    convention: str,
+) -> None:
+    """``num_blocks`` layers of ``layer_cls`` on ``stack.layers``, then one dropout stream per
+    site from its qualified name (the same for the serial stack and its twin)."""
+    stack.token_s = token_s
+    stack.token_z = token_z
+    stack.num_blocks = int(num_blocks)
+    stack.activation_checkpointing = bool(activation_checkpointing)
+    layer_args = (num_heads, dropout, pairwise_head_width, pairwise_num_heads, post_layer_norm, convention)
+    stack.layers = nn.ModuleList(layer_cls(token_s, token_z, *layer_args) for _ in range(stack.num_blocks))
+    assign_dropout_streams(stack)
 
 
 class PairformerLayer(nn.Module):
@@ -63,31 +154,18 @@ class PairformerLayer(nn.Module):
         convention: str = "boltz",
     ):
         super().__init__()
-        if convention not in CONVENTIONS:
-            raise ValueError(f"dropout convention must be one of {CONVENTIONS}, got {convention!r}")
-        self.token_s = token_s
-        self.token_z = token_z
-        self.num_heads = num_heads
-        self.dropout = float(dropout)
-        self.post_layer_norm = bool(post_layer_norm)
-        self.convention = convention
-        self.pre_norm_s = LayerNorm(token_s)
-        self.attention = AttentionPairBias(token_s, token_z, num_heads)
-        self.tri_mul_out = TriangleMultiplicationOutgoing(token_z)
-        self.tri_mul_in = TriangleMultiplicationIncoming(token_z)
-        self.tri_att_start = TriangleAttentionStartingNode(
-            token_z, pairwise_head_width, pairwise_num_heads, inf=1e9
+        build_layer(
+            self,
+            SERIAL_PARTS,
+            token_s,
+            token_z,
+            num_heads,
+            dropout,
+            pairwise_head_width,
+            pairwise_num_heads,
+            post_layer_norm,
+            convention,
         )
-        self.tri_att_end = TriangleAttentionEndingNode(
-            token_z, pairwise_head_width, pairwise_num_heads, inf=1e9
-        )
-        self.transition_s = Transition(token_s, 4 * token_s)
-        self.transition_z = Transition(token_z, 4 * token_z)
-        self.s_post_norm = LayerNorm(token_s) if self.post_layer_norm else nn.Identity()
-        self.dropout_tri_mul_out = Dropout(dropout, convention=convention)
-        self.dropout_tri_mul_in = Dropout(dropout, convention=convention)
-        self.dropout_tri_att_start = Dropout(dropout, convention=convention)
-        self.dropout_tri_att_end = Dropout(dropout, columnwise=True, convention=convention)
 
     def pair_stack(self, z: torch.Tensor, pair_mask: torch.Tensor, seed: int | None = None) -> torch.Tensor:
         """The pair half of the layer: four dropped-out residual updates and the transition."""
@@ -161,24 +239,20 @@ class PairformerStack(nn.Module):
         convention: str = "boltz",
     ):
         super().__init__()
-        self.token_s = token_s
-        self.token_z = token_z
-        self.num_blocks = int(num_blocks)
-        self.activation_checkpointing = bool(activation_checkpointing)
-        self.layers = nn.ModuleList(
-            PairformerLayer(
-                token_s,
-                token_z,
-                num_heads,
-                dropout,
-                pairwise_head_width,
-                pairwise_num_heads,
-                post_layer_norm,
-                convention,
-            )
-            for _ in range(self.num_blocks)
+        build_stack(
+            self,
+            PairformerLayer,
+            token_s,
+            token_z,
+            num_blocks,
+            num_heads,
+            dropout,
+            pairwise_head_width,
+            pairwise_num_heads,
+            post_layer_norm,
+            activation_checkpointing,
+            convention,
         )
-        assign_dropout_streams(self)
 
     def forward(
         self,
