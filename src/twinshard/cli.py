@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=run_demo)
     from twinshard.atoms.driver import add_md_parser
     from twinshard.bench import atoms as bench_atoms
+    from twinshard.bench import migrate as bench_migrate
     from twinshard.bench import pair as bench_pair
 
     add_md_parser(sub)
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (JSON on the last stdout line)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bench_atoms.add_parser(bsub)
-    bench_atoms.add_migrate_parser(bsub)
+    bench_migrate.add_migrate_parser(bsub)
     bench_pair.add_parser(bsub)
     h = bsub.add_parser("harness", help="time a trivial function through the parity harness")
     h.add_argument("--ranks", type=int, default=4)

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from twinshard.bench.atoms import run_migrate, soak_rank
+from twinshard.bench.migrate import run_migrate, soak_rank
 from twinshard.runtime import RankFailure
 from twinshard.testing import run_on_world
 
