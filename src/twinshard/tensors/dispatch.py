@@ -37,7 +37,9 @@ all_to_all — so its backward is the exact adjoint, tested with ``adjoint_pair`
     ``index_select``/``x[idx]`` fetches rows other ranks own with an uneven
     all-to-all (ids out, rows back; backward: the reverse all-to-all and a local
     index_add); ``index_add(_)``/``scatter_add(_)`` ships contributions to the
-    owners' rows. ``PAD`` (-1) ids gather zero rows and scatter nothing.
+    owners' rows. ``PAD`` (-1) ids gather zero rows and scatter nothing; ids out of range
+    raise on every rank (flagged in the counts all-to-all). A placement with ``to_global(ids,
+    rank)`` addresses rows relative to the rank (the graph storage's ``OwnedFirst``).
 ``replicated_grads``
     ``torch.autograd.grad`` with ShardTensor inputs beside plain ones (a strain
     or displacement every rank applies, as MACE's stress): the plain inputs are
@@ -422,17 +424,34 @@ def _layout(x: ShardTensor) -> tuple[list[int], int, int]:
     return offsets, me, len(pl.counts)  # type: ignore[arg-type]
 
 
-def _owners(ids: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+def _global_ids(x: ShardTensor, ids: torch.Tensor, me: int) -> torch.Tensor:
+    """Global row ids of an index: a placement may address rows relative to the rank (its
+    ``to_global``, e.g. the graph storage's, whose owned rows are ids ``0..n-1``)."""
+    to_global = getattr(x._spec.placement, "to_global", None)
+    return ids if to_global is None else to_global(ids, me)
+
+
+def _route(ids: torch.Tensor, offsets: list[int], x: ShardTensor, nranks: int) -> tuple[Any, list, list]:
+    """Owner of each global id and the agreed send/receive counts (one all-to-all of counts).
+    Ids out of range raise on EVERY rank: the rank that holds them sends -1 counts in the same
+    all-to-all, so no rank is left waiting in the next one."""
     total = offsets[-1]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= total):
-        bad = ids[(ids < 0) | (ids >= total)][:5].tolist()
-        raise IndexError(f"sharded storage: global row ids {bad} out of range [0, {total}) (PAD is {PAD})")
-    bounds = torch.tensor(offsets[1:], dtype=ids.dtype, device=ids.device)
-    return torch.searchsorted(bounds, ids, right=True)
-
-
-def _counts_a2a(send: torch.Tensor, group: Any, nranks: int) -> torch.Tensor:
-    return prim.all_to_all(send, [1] * nranks, [1] * nranks, group, op="sharded_storage")
+    dev = x._local.device
+    bad = ids[(ids < 0) | (ids >= total)][:5].tolist() if ids.numel() else []
+    if bad:
+        owner, send = None, torch.full((nranks,), -1, dtype=torch.int64, device=dev)
+    else:
+        bounds = torch.tensor(offsets[1:], dtype=ids.dtype, device=ids.device)
+        owner = torch.searchsorted(bounds, ids, right=True)
+        send = torch.bincount(owner, minlength=nranks).to(torch.int64).to(dev)
+    recv = prim.all_to_all(send, [1] * nranks, [1] * nranks, x.group, op="sharded_storage")
+    if bad or bool((recv < 0).any()):
+        who = sorted(set(torch.nonzero(recv < 0).flatten().tolist()))
+        mine = f"; here: {bad}" if bad else ""
+        raise IndexError(
+            f"sharded storage: global row ids out of range [0, {total}) (PAD is {PAD}) on rank(s) {who}{mine}"
+        )
+    return owner, send.tolist(), recv.tolist()
 
 
 def _sharded_pred(kind: str) -> Callable[[Any, tuple, dict], bool]:
@@ -455,12 +474,9 @@ def _run_sharded_gather(func: Any, args: tuple, kwargs: dict) -> Any:
     gidx = _plain(c.index)
     flat = gidx.reshape(-1).to(torch.int64)
     valid = flat != PAD
-    uniq, inverse = torch.unique(flat[valid], sorted=True, return_inverse=True)
-    owner = _owners(uniq, offsets)
+    uniq, inverse = torch.unique(_global_ids(x, flat[valid], me), sorted=True, return_inverse=True)
+    _, s, r = _route(uniq, offsets, x, nranks)
     dev = x._local.device
-    send = torch.bincount(owner, minlength=nranks).to(torch.int64).to(dev)
-    recv = _counts_a2a(send, x.group, nranks)
-    s, r = send.tolist(), recv.tolist()
     wanted = prim.all_to_all(uniq.to(dev), s, r, x.group, op="sharded_gather")  # ids others need
     rows = to_local(x).index_select(0, wanted - offsets[me])
     got = ops.all_to_all(rows, r, s, x.group) if nranks > 1 else rows  # rows back, in uniq order
@@ -488,13 +504,10 @@ def _run_sharded_scatter(func: Any, args: tuple, kwargs: dict) -> Any:
         index = index.reshape(index.shape[0], -1)[:, 0]
     index = index.to(torch.int64)
     keep = torch.nonzero(index != PAD).flatten()
-    ids = index[keep]
-    owner = _owners(ids, offsets)
+    ids = _global_ids(x, index[keep], me)
+    owner, s, r = _route(ids, offsets, x, nranks)
     order = torch.sort(owner, stable=True).indices
     dev = x._local.device
-    send = torch.bincount(owner, minlength=nranks).to(torch.int64).to(dev)
-    recv = _counts_a2a(send, x.group, nranks)
-    s, r = send.tolist(), recv.tolist()
     ids_in = prim.all_to_all(ids[order].to(dev), s, r, x.group, op="sharded_scatter")
     vals = src.index_select(0, keep[order])
     if c.alpha != 1:
