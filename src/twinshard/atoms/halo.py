@@ -344,13 +344,22 @@ class HaloPlan:
         halo = sent + self.halo_shift.to(x_owned.device, x_owned.dtype) @ cell
         return torch.cat([own, halo])
 
-    def reverse_sum(self, y: torch.Tensor) -> torch.Tensor:
+    def reverse_sum(self, y: torch.Tensor, op: str = "halo_reverse") -> torch.Tensor:
         """Collective with the neighbour ranks: owner sums ``[n_owned, ...]`` of halo partials
         ``y [n_halo, ...]``, no autograd and no vote (every rank calls it on the same path: the
         analytic pair potentials). One exchange; scatter-add into owned rows on the device."""
         if y.shape[0] != self.n_halo:
             raise ValueError(f"halo reverse: expected {self.n_halo} halo rows, got {y.shape[0]}")
-        return self._reverse_raw(y)
+        return self._reverse_raw(y, op)
+
+    def forward_copy(self, x: torch.Tensor, op: str = "halo_forward") -> torch.Tensor:
+        """Collective with the neighbour ranks: halo copies ``[n_halo, ...]`` of owned rows
+        ``x [n_owned, ...]``, no autograd and no vote (the adjoint of :meth:`reverse_sum`; the
+        kernel of ``twinshard::halo_forward``, whose registered autograd supplies the backward).
+        One exchange, none with a rank that neither sends nor receives."""
+        if x.shape[0] != self.n_owned:
+            raise ValueError(f"halo forward: expected {self.n_owned} owned rows, got {x.shape[0]}")
+        return self._forward_raw(x, op)
 
     def _forward_raw(self, x: torch.Tensor, op: str = "halo_forward") -> torch.Tensor:
         x = x.detach()
