@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from twinshard.atoms import structures
 from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.plain_inputs import evaluate_plain
+from twinshard.atoms.plain_inputs import evaluate_plain, system_inputs
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, load_mace, mace_native
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
@@ -122,3 +122,55 @@ def test_saved_model_round_trip(model_file, serial):
     assert type(again).__name__ == "MACE" and os.path.getsize(model_file) > 0
     out = mace_native(again, system.to_ase())
     assert torch.equal(out["energy"], ref["energy"])
+
+
+def test_adapter_batch_of_systems_is_mace(serial, model_file):
+    """Two systems of different sizes in one call (a periodic cell and an open cluster): each
+    system's energy, node energies, forces and the periodic one's stress equal mace's pipeline
+    (the cluster's stress row is NaN: it has no volume)."""
+    periodic, ref_p = serial
+    cluster = System(positions=periodic.positions[:11] * 0.9, numbers=periodic.numbers[:11])
+    model = _model(model_file)
+    ref_c = mace_native(model, cluster.to_ase(), compute_stress=False)
+    parts = [system_inputs(s, float(model.r_max)) for s in (periodic, cluster)]
+    offset = periodic.n_atoms
+    data = {
+        "positions": torch.cat([p["positions"] for p in parts]).requires_grad_(True),
+        "numbers": torch.cat([p["numbers"] for p in parts]),
+        "senders": torch.cat([parts[0]["senders"], parts[1]["senders"] + offset]),
+        "receivers": torch.cat([parts[0]["receivers"], parts[1]["receivers"] + offset]),
+        "shifts": torch.cat([p["shifts"] for p in parts]),
+        "batch": torch.cat([p["batch"] + k for k, p in enumerate(parts)]),
+        "cell": torch.cat([p["cell"] for p in parts]),
+    }
+    assert int(parts[1]["senders"].numel()) > 0 and float(parts[0]["shifts"].abs().max()) > 0
+    out = MaceAdapter(model)(data, compute_forces=True, compute_stress=True)
+    what = "MACE adapter, batch of 2 systems"
+    assert_parity(out["energy"][0], ref_p["energy"][0], what=f"{what}: periodic energy")
+    assert_parity(out["energy"][1], ref_c["energy"][0], what=f"{what}: cluster energy")
+    assert_parity(out["node_energy"][:offset], ref_p["node_energy"], what=f"{what}: periodic node energy")
+    assert_parity(out["node_energy"][offset:], ref_c["node_energy"], what=f"{what}: cluster node energy")
+    assert_parity(out["forces"][:offset], ref_p["forces"], what=f"{what}: periodic forces")
+    assert_parity(out["forces"][offset:], ref_c["forces"], what=f"{what}: cluster forces")
+    assert_parity(out["stress"][0], ref_p["stress"], what=f"{what}: periodic stress")
+    assert bool(out["stress"][1].isnan().all()), "an open cluster has no volume: its stress is undefined"
+
+
+def _unknown_species_rank(path):
+    model = _model(path)
+    system = None
+    if dist.get_rank() == 0:
+        system = make_system()
+        system.numbers[0] = 18  # argon: this model has no parameters for it
+    sh = ShardedSystem.scatter(system, cutoff=float(model.r_max), skin=SKIN, grid=GRIDS[2])
+    DistributedPotential(MaceAdapter(model), mode="dispatch").compute(sh)
+
+
+def test_unknown_species_raises_on_every_rank(model_file):
+    """An atomic number MACE has no parameters for raises the same error on every rank (the ranks
+    agree on the block's species before the first gather), never a hang on the ranks without it."""
+    with pytest.raises(
+        Exception,
+        match=r"(?s)check the block's species.*also ranks \[1\].*no parameters for atomic numbers \[18\]",
+    ):
+        run_on_world(_unknown_species_rank, 2, model_file)

@@ -7,7 +7,7 @@
   read by mace's loader) at 2 ranks; without ``--model`` the embedded random-weight MACE; a
   species the model does not know is a clear error on every rank.
 - ``TwinshardCalculator(<MACE module>)`` serial and inside a 2-rank world equals mace's own result.
-- ``ScaleShiftMACE`` (the class of real saved models) at 2 ranks equals serial mace: its
+- ``ScaleShiftMACE`` (the class of real saved models) at 2 and 4 ranks equals serial mace: its
   ``torch.sum(torch.stack(node_es_list, dim=0), dim=0)`` runs through the ``stack_then_sum``
   handler (values, adjoint, and the stack/cat forms that must still raise).
 """
@@ -148,10 +148,10 @@ def test_ase_calculator_with_mace_serial_and_distributed(model):
 
 
 # ---------------------------------------------------------------------- ScaleShiftMACE
-def _scaleshift_rank():
+def _scaleshift_rank(grid):
     model = build_scaleshift_mace()
     system = make_system() if dist.get_rank() == 0 else None
-    sh = ShardedSystem.scatter(system, cutoff=float(model.r_max), skin=SKIN, grid=(2, 1, 1))
+    sh = ShardedSystem.scatter(system, cutoff=float(model.r_max), skin=SKIN, grid=grid)
     res = ta.DistributedPotential(MaceAdapter(model), mode="dispatch").compute(sh)
     return {
         "ids": sh.ids,
@@ -162,12 +162,13 @@ def _scaleshift_rank():
     }
 
 
-def test_scaleshift_mace_through_dispatch_at_2_ranks():
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_scaleshift_mace_through_dispatch(nranks):
     model = build_scaleshift_mace()
     assert type(model).__name__ == "ScaleShiftMACE"
     system = make_system()
     ref = mace_native(model, system.to_ase())
-    res = run_on_world(_scaleshift_rank, 2)
+    res = run_on_world(_scaleshift_rank, nranks, {2: (2, 1, 1), 4: (2, 2, 1)}[nranks])
     assert all(r["n_halo"] > 0 for r in res)
     pos = {int(i): k for k, i in enumerate(system.ids.tolist())}
     forces = torch.full((system.n_atoms, 3), float("nan"), dtype=torch.float64)
@@ -178,9 +179,10 @@ def test_scaleshift_mace_through_dispatch_at_2_ranks():
     assert float((e - e_ref).abs() / e_ref.abs()) <= 1e-10
     assert float((forces - ref["forces"]).abs().max()) <= 1e-9
     assert float((s - ref["stress"]).abs().max()) <= 1e-9
-    assert_parity(e, e_ref, grid="2", what="ScaleShiftMACE energy via dispatch")
-    assert_parity(forces, ref["forces"], grid="2", what="ScaleShiftMACE forces via dispatch")
-    assert_parity(s, ref["stress"], grid="2", what="ScaleShiftMACE stress via dispatch")
+    gid = str(nranks)
+    assert_parity(e, e_ref, grid=gid, what="ScaleShiftMACE energy via dispatch")
+    assert_parity(forces, ref["forces"], grid=gid, what="ScaleShiftMACE forces via dispatch")
+    assert_parity(s, ref["stress"], grid=gid, what="ScaleShiftMACE stress via dispatch")
 
 
 def _stack_rank():

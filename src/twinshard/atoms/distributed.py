@@ -134,6 +134,13 @@ class DistributedPotential:
                 f"the sharded system's halo was built for cutoff {sharded.cutoff}, but the "
                 f"potential needs {self.cutoff}; scatter with cutoff=potential.cutoff"
             )
+        check = getattr(self.module, "check_species", None)
+        if check is not None and self._probed != (id(sharded), sharded.builds):
+            # a plain model (MACE) finds an unknown atomic number in its forward, on the ranks
+            # that hold one, while the others wait in the first gather: agree first, once per build
+            with agree_step("distributed potential: check the block's species", sharded.group):
+                check(torch.cat([sharded.numbers, sharded.halo_numbers]).unique().tolist())
+            self._probed = (id(sharded), sharded.builds)
 
     def _check(self, sharded: ShardedSystem) -> None:
         if sharded.cutoff + 1e-12 < self.cutoff:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from twinshard.tensors.shard_tensor import to_local
+
 __all__ = [
     "MaceAdapter",
     "build_mace",
@@ -194,12 +196,15 @@ class MaceAdapter(nn.Module):
         shifts = -data["shifts"].to(dtype)
         cell3 = cell.to(dtype).reshape(-1, 3, 3)
         batch = data["batch"]
-        if cell3.shape[0] != 1:
-            raise NotImplementedError("MaceAdapter: one system per call")
-        unit = (
-            torch.round(shifts @ torch.linalg.pinv(cell3[0])) if bool(cell3.abs().sum() > 0) else shifts * 0
-        )
-        n = data["positions"].shape[0]
+        if cell3.shape[0] == 1:
+            inv = torch.linalg.pinv(cell3[0])  # pinv: an open system's zero cell gives zero shifts
+            unit = torch.round(shifts @ inv)
+        else:  # a batch of systems: each edge's lattice vectors are its system's
+            inv = torch.linalg.pinv(cell3)[to_local(batch[data["receivers"]])]
+            unit = torch.round(torch.einsum("ec,ecd->ed", shifts, inv))
+        # mace reads only ptr's length (its number of graphs); the values are this call's rows
+        counts = torch.bincount(to_local(batch), minlength=cell3.shape[0])
+        ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(cell.device)
         return {
             "positions": data["positions"],
             "node_attrs": node_attrs,
@@ -208,7 +213,7 @@ class MaceAdapter(nn.Module):
             "unit_shifts": unit,
             "cell": cell3.reshape(-1, 3),
             "batch": batch,
-            "ptr": torch.tensor([0, n], dtype=torch.int64, device=cell.device),
+            "ptr": ptr,
         }
 
     def forward(
@@ -231,7 +236,13 @@ class MaceAdapter(nn.Module):
         if compute_stress:
             res["virial"] = out["virials"]
             vol = torch.linalg.det(data["cell"].to(self.dtype).reshape(-1, 3, 3)).abs()
-            res["stress"] = out["stress"] if bool((vol > 0).all()) else None
+            has = vol > 0
+            if bool(has.all()):
+                res["stress"] = out["stress"]
+            elif vol.numel() > 1 and bool(has.any()):  # a batch: a system without a volume has no stress
+                res["stress"] = torch.where(has[:, None, None], out["stress"], float("nan"))
+            else:
+                res["stress"] = None
         return res
 
 
