@@ -39,6 +39,9 @@ rows and decides what comes out:
   contracts, transposes or merges the atom dimension of a per-atom ShardTensor
   and matched no handler — a sum over atoms of a halo-padded tensor would count
   halo rows twice, so it is never silently computed on local rows.
+  An opaque custom op (a ``torch.library`` kernel outside ``aten``/``prims``) with a
+  per-atom ShardTensor argument raises too: it runs distributed only through an adapter
+  (:mod:`twinshard.tensors.custom_ops`), which hands it local rows.
   Autograd's own backward ops (which run here with ShardTensor gradients) are
   exempt: their communication is in the handlers' adjoints.
 """
@@ -416,6 +419,9 @@ def _atom_dims(d: Any, ndim: int) -> bool:
 def check_atom_op(func: Any, args: tuple, kwargs: dict) -> None:
     """Raise ``UnhandledAtomOp`` if ``func`` indexes, reduces, contracts, moves or merges the atom
     dimension of a per-atom ShardTensor argument (no handler matched it)."""
+    if getattr(func, "namespace", "aten") not in _TORCH_NAMESPACES:
+        _check_opaque(func, args, kwargs)
+        return
     name = func._schema.name.split("::")[-1].rstrip("_") if func._schema.name else str(func)
     base = name
     x = args[0] if args else None
@@ -501,6 +507,23 @@ def check_atom_op(func: Any, args: tuple, kwargs: dict) -> None:
         pa = [t for t in ts if isinstance(t, ShardTensor) and t._spec.per_atom]
         if pa and (int(d) % (pa[0].dim() + (base == "stack")) == 0):
             raise _unhandled(func, "concatenates along")
+
+
+_TORCH_NAMESPACES = {"aten", "prims"}
+
+
+def _check_opaque(func: Any, args: tuple, kwargs: dict) -> None:
+    """An opaque kernel (``torch.library.custom_op`` and the like) sees only local rows: with a
+    per-atom ShardTensor argument and no adapter it raises (on every rank: every rank calls it)."""
+    flat, _ = tree_flatten((args, kwargs))
+    if any(isinstance(a, ShardTensor) and a._spec.per_atom for a in flat):
+        raise UnhandledAtomOp(
+            f"custom op {func._schema.name} is an opaque kernel called with a per-atom ShardTensor "
+            "and no adapter is installed: on local rows it would give a silently wrong answer (stale "
+            "halo rows, partial sums left in the halo, rows other ranks own missing). Declare its "
+            "inputs and outputs with twinshard.tensors.custom_ops.adapt(...) and call it inside "
+            "twinshard.tensors.custom_ops.distributed_scope(), or call it on .to_local() rows"
+        )
 
 
 def _minus_one_keeps(x: torch.Tensor, shape: Any) -> bool:
