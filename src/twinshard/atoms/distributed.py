@@ -42,6 +42,11 @@ halo rows' ``[force, energy]`` partial sums scatter-added into the owned rows,
 and the same all_reduce of ``[energy, virial]``. No autograd graph.
 ``DistributedPotential(pot, analytic=False)`` forces the autograd path (the oracle).
 
+Graph-parallel storage: given a :class:`~twinshard.atoms.graph_storage.GraphSharded` instead of a
+ShardedSystem, ``compute`` / ``per_atom_energies`` run a plain model (``mode="dispatch"``) on it
+(:func:`~twinshard.atoms.graph_storage.graph_compute`; a batch of S systems gives ``[S]`` energies
+and ``[S, 3, 3]`` virials and stresses).
+
 Stress: a symmetric strain leaf ``eps`` is applied to the whole padded block
 (``x -> x (I + eps)``; halo rows carry their lattice image, so this strains the
 cell too); ``dE/deps`` is summed over ranks. ``stress = (dE/deps) / V`` (ASE's
@@ -181,6 +186,12 @@ class DistributedPotential:
         (one all-reduce per parameter dtype, in backward; nothing to call after).
         ``strain`` (3x3) optionally deforms the block by ``I + sym(strain)``.
         """
+        if getattr(sharded, "storage", "halo") == "graph":  # atoms.graph_storage.GraphSharded
+            from twinshard.atoms.graph_storage import graph_energies
+
+            if strain is not None:
+                raise ValueError("graph storage: the model applies its own strain (compute_stress=True)")
+            return graph_energies(self, sharded, positions)
         if self.mode == "dispatch":
             if strain is not None:
                 raise ValueError(
@@ -211,6 +222,10 @@ class DistributedPotential:
         otherwise every result is detached. An analytic pair potential takes the
         closed-form path unless ``create_graph`` (same results to round-off).
         """
+        if getattr(sharded, "storage", "halo") == "graph":  # graph-parallel storage (per-system results)
+            from twinshard.atoms.graph_storage import graph_compute
+
+            return graph_compute(self, sharded, compute_stress, create_graph)
         if self.analytic and not create_graph:
             return self._compute_analytic(sharded, compute_stress)
         if self.mode == "dispatch":

@@ -1,0 +1,536 @@
+"""Graph-parallel storage: atoms split by index into balanced blocks, geometry replicated, no halo.
+
+The second storage strategy of the particle vertical (the first, halo decomposition, is
+:mod:`twinshard.atoms.sharded`), for plain-PyTorch models (the dict contract of
+:mod:`twinshard.atoms.plain_inputs`) run unmodified through the ShardTensor dispatch.
+
+Layout (:class:`GraphSharded`, built by the collective :meth:`GraphSharded.scatter`):
+
+- a *batch*: one System or a list of Systems of any sizes, concatenated in the caller's order;
+  global row ``g`` is atom ``g`` of the concatenation, ``batch[g]`` its system;
+- the N rows are split into P balanced contiguous blocks (counts differ by at most one; a rank
+  may own none): rank ``r`` owns rows ``offsets[r]:offsets[r + 1]``;
+- per-atom fields (``numbers``, ``batch``, ``ids``, ``masses``, ``velocities``): owned rows only;
+- geometry replicated: every rank holds every position ``[N, 3]`` (3 numbers per atom) and the
+  per-system ``cells [S, 3, 3]`` and ``pbcs [S, 3]``, so it builds the neighbour list of its own
+  receivers without communication; ownership is by index, so MD never migrates atoms;
+- edges: receivers are the owned atoms, senders every atom within ``cutoff + skin`` of them in
+  the same system. Indices are *rank-relative global ids* (placement :class:`OwnedFirst`): on
+  rank ``r`` id ``i`` names global row ``(i + offsets[r]) mod N``, so the owned rows are ids
+  ``0..n_r - 1`` (as in a halo block's ``[owned | halo]``): a model's scatter into a plain buffer of
+  its own rows (mace's ``scatter_sum``) is local, and a gather of rows other ranks own goes through
+  the dispatch (``sharded_gather``).
+
+Model inputs (:func:`graph_inputs`): ``positions`` are the owned rows as an ``OwnedFirst``
+ShardTensor over a leaf ``x``; ``numbers`` and ``batch`` likewise; ``senders``, ``receivers``,
+``shifts`` plain per-edge tensors; ``cell [S, 3, 3]`` replicated.
+
+Communication (one choice, and why): a gather of sender rows (``h.index_select(0, senders)``, once
+per layer and once for the positions) is the dispatch's uneven all-to-all of just the rows a rank's
+edges touch (``sharded_gather``: one all-to-all of counts, one of ids, one of rows; backward: the
+reverse all-to-all and a local index_add), not an all-gather of the whole feature matrix with its
+reduce-scatter adjoint: bytes and memory per rank scale with the rows a rank needs (its block and
+the boundary rows of its neighbours' blocks), not with N x features per layer, and the handler and
+its adjoint already exist and are tested. ``index_add_`` into an owned buffer ships contributions
+to their owners (``sharded_scatter``; here every receiver is owned, so nothing leaves the rank but
+the counts). Per-system energies ``(S,)``: ``per_system_reduce`` (one all-reduce). Forces: the
+model's own ``torch.autograd.grad`` with respect to ``positions``; the gather's adjoint returns
+every edge's contribution to the owner, so ``-dE/dx`` is complete on the owned rows (no further
+reduction). Stress: the model's displacement ``[S, 3, 3]`` is a plain replicated input; its
+gradient is a per-rank partial sum, all-reduced once by the ``replicated_grads`` handler.
+
+Memory per rank: positions ``N x 3`` (replicated), owned per-atom rows ``N / P``, the edges of owned
+receivers and the autograd graph of those edges and rows, plus the gathered sender rows per layer.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from twinshard.atoms.distributed import DistributedResults
+from twinshard.atoms.neighbors import neighbor_list
+from twinshard.atoms.plain_inputs import _call
+from twinshard.atoms.sharded import _a2a, _as_system, _check_ids
+from twinshard.atoms.system import System
+from twinshard.comm import primitives as prim
+from twinshard.runtime import agree_step, require_world
+from twinshard.tensors.placements import PAD, Owned, ShardSpec
+from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
+
+__all__ = [
+    "GraphSharded",
+    "OwnedFirst",
+    "balanced_counts",
+    "graph_compute",
+    "graph_energies",
+    "graph_inputs",
+]
+
+_FIELDS = ("numbers", "ids", "masses", "velocities")  # per-atom, sharded (positions: replicated)
+
+
+def balanced_counts(n: int, nranks: int) -> tuple[int, ...]:
+    """Rows per rank of ``n`` rows in ``nranks`` contiguous blocks differing by at most one."""
+    return tuple(n // nranks + (1 if r < n % nranks else 0) for r in range(nranks))
+
+
+@dataclass(frozen=True)
+class OwnedFirst(Owned):
+    """``Owned(counts)`` addressed from the rank: on rank ``r`` id ``i`` names global row
+    ``(i + offsets[r]) mod N``, so a rank's own rows are ids ``0..n_r - 1`` (``PAD`` stays PAD;
+    ids outside ``[0, N)`` stay out of range and raise in the dispatch)."""
+
+    def to_global(self, ids: torch.Tensor, rank: int) -> torch.Tensor:
+        off = self.offsets
+        n = off[-1]
+        ok = (ids >= 0) & (ids < n)
+        return torch.where(ok, (ids + off[rank]) % max(n, 1), torch.where(ids == PAD, ids, ids + n))
+
+    def __repr__(self) -> str:
+        return f"OwnedFirst(counts={list(self.counts or ())})"
+
+
+def _as_batch(source: Any, dtype: torch.dtype | None) -> list[System]:
+    items = list(source) if isinstance(source, (list, tuple)) else [source]
+    if not items:
+        raise ValueError("graph storage: an empty batch (give a System or a non-empty list of them)")
+    systems = [_as_system(s, dtype) for s in items]
+    dtypes = {s.dtype for s in systems}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"graph storage: the systems of a batch have different dtypes {sorted(map(str, dtypes))}"
+        )
+    for s in systems:
+        _check_ids(s.ids)
+    return systems
+
+
+def _fingerprint(systems: list[System]) -> torch.Tensor:
+    """Numbers every rank can compare to tell whether they hold the same batch."""
+    rows: list[float] = [float(len(systems))]
+    for s in systems:
+        k = torch.arange(1, s.n_atoms + 1, dtype=torch.float64)
+        x = s.positions.detach().to(torch.float64)
+        rows += [
+            float(s.n_atoms),
+            float((x.sum(1) * k).sum()),
+            float((s.numbers.to(torch.float64) * k).sum()),
+            float((s.ids.to(torch.float64) * k).sum()),
+            float(s.cell.to(torch.float64).sum()),
+            float(s.pbc.to(torch.float64) @ torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)),
+        ]
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+class GraphSharded:
+    """A batch of systems in graph-parallel storage (see the module docstring). Build with
+    :meth:`scatter`.
+
+    Replicated: ``n_systems``, ``sizes``, ``n_total``, ``counts``, ``offsets``, ``cells [S, 3, 3]``,
+    ``pbcs [S, 3]``, ``all_positions [N, 3]``, ``cutoff``, ``skin``, ``builds``; ``cell`` / ``pbc``
+    are system 0's (the MD driver's single-system view). Owned rows (``lo:hi``): ``positions``,
+    ``numbers``, ``batch`` (system of each row), ``ids`` (each system's own atom ids), ``masses``,
+    ``velocities``. Per rank: ``senders``, ``receivers`` (rank-relative ids), ``shifts``.
+    """
+
+    storage = "graph"
+    n_halo = 0
+    migrations = 0
+    partition = None
+
+    def __init__(self) -> None:
+        self.group: dist.ProcessGroup | None = None
+        self.rank, self.nranks = 0, 1
+        self.device = torch.device("cpu")
+        self.sizes: list[int] = []
+        self.counts_: tuple[int, ...] = ()
+        self.cells = torch.zeros(0, 3, 3, dtype=torch.float64)
+        self.pbcs = torch.zeros(0, 3, dtype=torch.bool)
+        self.all_positions = torch.zeros(0, 3, dtype=torch.float64)
+        self._positions = torch.zeros(0, 3, dtype=torch.float64)
+        self._stale = False  # owned positions written since the last re-replication
+        self.numbers = torch.zeros(0, dtype=torch.int64)
+        self.ids = torch.zeros(0, dtype=torch.int64)
+        self.masses = torch.zeros(0, dtype=torch.float64)
+        self.velocities = torch.zeros(0, 3, dtype=torch.float64)
+        self.batch = torch.zeros(0, dtype=torch.int64)
+        self.info: dict[str, Any] = {}
+        self.cutoff = self.skin = 0.0
+        self.builds = 0
+        self.senders = self.receivers = torch.zeros(0, dtype=torch.int64)
+        self.shifts = torch.zeros(0, 3, dtype=torch.float64)
+        self._ref = torch.zeros(0, 3, dtype=torch.float64)
+
+    # ------------------------------------------------------------- scatter
+    @classmethod
+    def scatter(
+        cls,
+        source: System | list[System] | Any | None,
+        src: int | None = 0,
+        *,
+        cutoff: float,
+        skin: float = 0.5,
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> GraphSharded:
+        """Collective: distribute the batch (a System, an ``ase.Atoms``, a path, or a list of
+        them) held by rank ``src`` (the others pass ``None``); ``src=None``: every rank holds the
+        same batch (checked: ranks that disagree raise on every rank).
+
+        Collectives: a fail-together step; from ``src``: broadcasts of the header and of the
+        positions ``[N, 3]`` (geometry replicated) and one all_to_all per per-atom field (owned
+        blocks); with ``src=None`` one all_gather of a fingerprint instead. Then the owned
+        receivers' neighbour list, without communication. Memory per rank: ``N x 3`` positions,
+        owned rows, owned receivers' edges.
+        """
+        world = require_world("GraphSharded.scatter")
+        if not (cutoff > 0 and math.isfinite(cutoff)) or not (skin >= 0 and math.isfinite(skin)):
+            raise ValueError(f"cutoff must be > 0 and skin >= 0, got {cutoff}, {skin}")
+        me, nranks = dist.get_rank(group), dist.get_world_size(group)
+        if src is not None and not 0 <= src < nranks:
+            raise ValueError(f"src={src} is not a rank of a group of {nranks}")
+        self = cls()
+        self.group, self.rank, self.nranks, self.device = group, me, nranks, world.device
+        self.cutoff, self.skin = float(cutoff), float(skin)
+        dev = self.device
+        systems: list[System] | None = None
+        with agree_step("graph storage: read and validate the batch", group):
+            if src is None or me == src:
+                systems = _as_batch(source, dtype)
+            elif source is not None:
+                raise ValueError(
+                    f"graph storage: rank {me} passed a batch but only rank {src} holds it (the others "
+                    "pass None); give src=None if every rank holds the same batch"
+                )
+        if src is None:
+            assert systems is not None
+            fp = _fingerprint(systems).to(dev)
+            sizes = prim.all_gather(torch.tensor([fp.numel()], device=dev), 0, group, op="scatter")
+            same = bool((sizes == sizes[0]).all())
+            if same:
+                allfp = prim.all_gather(fp[None], 0, group, op="scatter").cpu()
+                same = bool((allfp == allfp[0]).all())
+            if not same:  # every rank saw the same gathered fingerprints: all raise
+                raise ValueError(
+                    "graph storage: with src=None every rank must hold the same batch, but the ranks "
+                    "disagree (sizes, positions, numbers, ids or cells differ); scatter from one rank"
+                )
+            header = _header(systems)
+        else:
+            payload = pickle.dumps(_header(systems)) if me == src else b""
+            n = prim.broadcast(
+                torch.tensor([len(payload)], dtype=torch.int64, device=dev), src, group, op="scatter"
+            )
+            raw = (
+                torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+                if me == src
+                else torch.zeros(int(n[0]), dtype=torch.uint8, device=dev)
+            )
+            header = pickle.loads(prim.broadcast(raw, src, group, op="scatter").cpu().numpy().tobytes())
+        self.sizes, self.info = header["sizes"], header["info"]
+        self.cells, self.pbcs = header["cells"].to(dev), header["pbcs"]
+        ftype = header["dtype"]
+        n_total = sum(self.sizes)
+        self.counts_ = balanced_counts(n_total, nranks)
+        lo, hi = self.offsets[me], self.offsets[me + 1]
+        if systems is not None:
+            whole = {k: torch.cat([getattr(s, k) for s in systems]).to(dev) for k in ("positions",) + _FIELDS}
+        if src is None:
+            assert systems is not None
+            self.all_positions = whole["positions"].contiguous()
+            fields = {k: whole[k][lo:hi].contiguous() for k in _FIELDS}
+        else:
+            pos = (
+                whole["positions"].contiguous()
+                if me == src
+                else torch.zeros(n_total, 3, dtype=ftype, device=dev)
+            )
+            self.all_positions = prim.broadcast(pos, src, group, op="scatter")
+            send = list(self.counts_) if me == src else [0] * nranks
+            recv = [0] * nranks
+            recv[src] = hi - lo
+            fields = {}
+            for k, (dt, tail) in header["schema"].items():
+                t = whole[k] if me == src else torch.zeros((0,) + tail, dtype=dt, device=dev)
+                fields[k] = _a2a(t, send, recv, group, "scatter")
+        for k in _FIELDS:
+            setattr(self, k, fields[k])
+        starts = torch.tensor([0] + self.sizes, dtype=torch.int64).cumsum(0)
+        self.batch = (torch.searchsorted(starts[1:], torch.arange(lo, hi), right=True)).to(dev)
+        self._positions = self.all_positions[lo:hi].clone()
+        self._build()
+        return self
+
+    # ------------------------------------------------------------- queries
+    @property
+    def n_systems(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def n_total(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def n_owned(self) -> int:
+        return self.counts_[self.rank]
+
+    @property
+    def offsets(self) -> list[int]:
+        out = [0]
+        for c in self.counts_:
+            out.append(out[-1] + c)
+        return out
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.all_positions.dtype
+
+    @property
+    def cell(self) -> torch.Tensor:
+        return self.cells[0]
+
+    @property
+    def pbc(self) -> torch.Tensor:
+        return self.pbcs[0]
+
+    @property
+    def volumes(self) -> torch.Tensor:
+        return torch.linalg.det(self.cells.to(torch.float64)).abs()
+
+    @property
+    def volume(self) -> float:
+        return float(self.volumes[0])
+
+    def counts(self) -> list[int]:
+        """Owned rows per rank (replicated; no communication)."""
+        return list(self.counts_)
+
+    def spec(self) -> ShardSpec:
+        """The spec of this storage's per-atom ShardTensors."""
+        return ShardSpec(OwnedFirst(self.counts_), group=self.group, n_systems=self.n_systems)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Owned positions ``[n_owned, 3]`` (write them, then :meth:`update`, collective)."""
+        return self._positions
+
+    @positions.setter
+    def positions(self, value: torch.Tensor) -> None:
+        self._positions = value
+        self._stale = True
+
+    # ------------------------------------------------------------- neighbour list
+    def _build(self) -> None:
+        """The edges of the owned receivers, from the replicated geometry (no communication)."""
+        lo, hi, n = self.offsets[self.rank], self.offsets[self.rank + 1], self.n_total
+        x = self.all_positions.detach()
+        snd, rcv, sh = [], [], []
+        start = 0
+        for s, size in enumerate(self.sizes):
+            a, b = max(lo, start), min(hi, start + size)
+            if a < b:  # this system has owned rows
+                e = neighbor_list(
+                    x[start : start + size], self.cutoff + self.skin, self.cells[s], self.pbcs[s]
+                )
+                keep = (e.receivers + start >= a) & (e.receivers + start < b)
+                snd.append(e.senders[keep] + start)
+                rcv.append(e.receivers[keep] + start)
+                sh.append(e.shifts[keep])
+            start += size
+        dev = self.device
+        none = torch.zeros(0, dtype=torch.int64, device=dev)
+        glob_s = torch.cat(snd) if snd else none
+        glob_r = torch.cat(rcv) if rcv else none
+        self.senders = (glob_s - lo) % max(n, 1)  # rank-relative ids (OwnedFirst)
+        self.receivers = glob_r - lo
+        self.shifts = torch.cat(sh) if sh else torch.zeros(0, 3, dtype=self.dtype, device=dev)
+        self._ref = x.clone()
+        self.builds += 1
+
+    # ------------------------------------------------------------- MD
+    def update(self, force: bool = False) -> bool:
+        """Collective: re-replicate the positions (one all_gather of the owned rows) and rebuild
+        the neighbour list if any atom moved more than ``skin / 2`` since the last build (the
+        decision is taken from replicated data: the same on every rank). Raises ValueError on every
+        rank if a position is NaN/inf. Returns whether it rebuilt."""
+        self._replicate()
+        x = self.all_positions
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(
+                "non-finite (NaN/inf) positions: the dynamics diverged; use a smaller time step or "
+                "check the potential and the start structure"
+            )
+        disp = float((x - self._ref).norm(dim=1).max()) if x.numel() else 0.0
+        if force or disp > 0.5 * self.skin:
+            self._build()
+            return True
+        return False
+
+    def _replicate(self) -> None:
+        if self._stale:
+            self.all_positions = self.all_gather_rows(self._positions.detach())
+            self._stale = False
+
+    def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Collective (one all_gather): per-atom owned rows -> all N rows, global order, every rank."""
+        return prim.all_gather(t.contiguous(), 0, self.group, list(self.counts_), op="gather")
+
+    def gather_rows(self, t: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
+        """Collective: per-atom owned rows -> all N rows in the caller's order on ``dst``, None
+        elsewhere (one all_to_all)."""
+        send = [0] * self.nranks
+        send[dst] = int(t.shape[0])
+        recv = list(self.counts_) if self.rank == dst else [0] * self.nranks
+        out = _a2a(t.detach(), send, recv, self.group, "gather")
+        return out if self.rank == dst else None
+
+    def gather_systems(self, dst: int = 0) -> list[System] | None:
+        """Collective: the batch back on ``dst`` (each system's atoms in the caller's order)."""
+        self._replicate()
+        got = {k: self.gather_rows(getattr(self, k), dst) for k in _FIELDS}
+        if self.rank != dst:
+            return None
+        out, start = [], 0
+        for s, size in enumerate(self.sizes):
+            cut = slice(start, start + size)
+            out.append(
+                System(
+                    positions=self.all_positions[cut].clone(),
+                    numbers=got["numbers"][cut],
+                    cell=self.cells[s].clone(),
+                    pbc=self.pbcs[s].clone(),
+                    masses=got["masses"][cut],
+                    velocities=got["velocities"][cut],
+                    ids=got["ids"][cut],
+                    info=dict(self.info) if self.n_systems == 1 else {},
+                )
+            )
+            start += size
+        return out
+
+    def gather(self, dst: int = 0) -> System | None:
+        """Collective: a single system on ``dst``, atoms ordered by id (as
+        :meth:`ShardedSystem.gather <twinshard.atoms.sharded.ShardedSystem.gather>`)."""
+        if self.n_systems != 1:
+            raise ValueError("gather: a batch of several systems; use gather_systems")
+        got = self.gather_systems(dst)
+        if got is None:
+            return None
+        s = got[0]
+        order = torch.argsort(s.ids)
+        return System(
+            positions=s.positions[order],
+            numbers=s.numbers[order],
+            cell=s.cell,
+            pbc=s.pbc,
+            masses=s.masses[order],
+            velocities=s.velocities[order],
+            ids=s.ids[order],
+            info=s.info,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"GraphSharded(rank={self.rank}/{self.nranks}, owned={self.n_owned}, total={self.n_total}, "
+            f"systems={self.n_systems}, edges={int(self.senders.shape[0])}, builds={self.builds})"
+        )
+
+
+def _header(systems: list[System]) -> dict[str, Any]:
+    return {
+        "sizes": [s.n_atoms for s in systems],
+        "cells": torch.stack([s.cell.detach() for s in systems]),
+        "pbcs": torch.stack([torch.as_tensor(s.pbc, dtype=torch.bool).reshape(3) for s in systems]),
+        "dtype": systems[0].dtype,
+        "schema": {
+            k: (getattr(systems[0], k).dtype, tuple(getattr(systems[0], k).shape[1:])) for k in _FIELDS
+        },
+        "info": dict(systems[0].info) if len(systems) == 1 else {},
+    }
+
+
+# ----------------------------------------------------------------------------- evaluation
+def graph_inputs(g: GraphSharded, positions: torch.Tensor | None = None) -> dict[str, Any]:
+    """The plain-contract input dict of this rank (no communication): ``positions``, ``numbers``,
+    ``batch`` as ``OwnedFirst`` ShardTensors (``positions`` differentiable in the owned rows
+    ``positions``, default ``g.positions``), per-edge ``senders``, ``receivers``, ``shifts``
+    (rank-relative ids, cartesian shifts) and the replicated ``cell [S, 3, 3]``."""
+    x = g.positions if positions is None else positions
+    spec = g.spec()
+    return {
+        "positions": from_local(x, spec),
+        "numbers": ShardTensor.wrap(g.numbers, spec),
+        "senders": g.senders,
+        "receivers": g.receivers,
+        "shifts": g.shifts.to(x.dtype),
+        "batch": ShardTensor.wrap(g.batch, spec),
+        "cell": g.cells.to(x.device, x.dtype),
+    }
+
+
+def _check(dp: Any, g: GraphSharded) -> None:
+    if dp.mode != "dispatch":
+        raise ValueError(
+            "graph storage runs plain-PyTorch models through the dispatch: DistributedPotential(model, "
+            "mode='dispatch') (the Graph-contract models use halo storage)"
+        )
+    if g.cutoff + 1e-12 < dp.cutoff:  # replicated values: every rank raises
+        raise ValueError(
+            f"the graph storage's neighbour list was built for cutoff {g.cutoff}, but the potential "
+            f"needs {dp.cutoff}; scatter with cutoff=potential.cutoff"
+        )
+    g._replicate()
+
+
+def graph_energies(dp: Any, g: GraphSharded, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Collective: owned per-atom energies ``[n_owned]`` (differentiable in the owned
+    ``positions`` and the parameters; the backward is collective: every rank runs it).
+    Placements: in owned rows / replicated parameters; out owned rows. Collectives: the model's
+    gathers (all-to-alls) and per-system reduce (all-reduce), their adjoints in backward."""
+    _check(dp, g)
+    out = _call(dp, g, graph_inputs(g, positions), compute_forces=False, compute_stress=False)
+    return to_local(out["node_energy"])
+
+
+def graph_compute(
+    dp: Any, g: GraphSharded, compute_stress: bool = True, create_graph: bool = False
+) -> DistributedResults:
+    """Collective: energies, owned per-atom energies and forces, virials and stresses of the
+    batch, computed by the model itself (its ``torch.autograd.grad``).
+
+    Placements out: ``per_atom [n_owned]``, ``forces [n_owned, 3]`` owned rows (global rows
+    ``offsets[rank]:offsets[rank + 1]``); ``energy``, ``virial``, ``stress`` replicated: for one
+    system a scalar and ``[3, 3]`` (``stress`` None without a cell volume), for a batch of S
+    systems ``[S]`` and ``[S, 3, 3]`` (a system without volume has a NaN stress). ``stress =
+    -virial / V``. Collectives: see the module docstring (forward: per gather three all-to-alls,
+    one all-reduce per per-system sum; backward: their adjoints; the displacement's gradient one
+    all-reduce). Memory per rank: the autograd graph of the owned rows and edges."""
+    _check(dp, g)
+    x = g.positions.detach().requires_grad_(True)
+    out = _call(
+        dp, g, graph_inputs(g, x), compute_forces=True, compute_stress=compute_stress, training=create_graph
+    )
+    energy = to_local(out["energy"])
+    per_atom, forces = to_local(out["node_energy"]), to_local(out["forces"])
+    virial = stress = None
+    if compute_stress:
+        virial = to_local(out["virial"]).reshape(-1, 3, 3)
+        vol = g.volumes.to(virial.dtype)
+        stress = torch.where(
+            (vol > 0)[:, None, None], -virial / vol.clamp_min(1e-300)[:, None, None], float("nan")
+        )
+    if g.n_systems == 1:
+        energy = energy.reshape(-1)[0]
+        if virial is not None:
+            virial, stress = virial[0], (stress[0] if g.volume > 0 else None)
+    if not create_graph:
+        energy, per_atom, forces = energy.detach(), per_atom.detach(), forces.detach()
+        virial = None if virial is None else virial.detach()
+        stress = None if stress is None else stress.detach()
+    return DistributedResults(energy, per_atom, forces, virial, stress)
