@@ -1,10 +1,16 @@
-"""`twinshard bench atoms` smoke test: JSON runs with the md keys, parity, plot."""
+"""`twinshard bench atoms` smoke tests: JSON runs with the md keys, parity, plot; --potential mace;
+--mode overhead (hooks / dispatch / plain side by side) and its negative control."""
 
 import argparse
 import json
 
+import pytest
+import torch
+
 from twinshard.atoms.driver import result_keys
 from twinshard.bench.atoms import add_parser
+from twinshard.bench.atoms_overhead import check_agreement
+from twinshard.testing import run_on_world
 
 
 def test_bench_atoms_json_and_plot(tmp_path, capsys):
@@ -79,3 +85,80 @@ def test_bench_atoms_evaluation_weak_scaling_mpnn(capsys):
     for run in r["runs"]:
         assert run["path"] == "autograd" and run["max_force_error"] <= 1e-10
         assert run["time_ratio_to_serial"] > 0
+
+
+def _bench(argv, capsys):
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["atoms"] + argv + ["--json"])
+    args.func(args)
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_bench_atoms_mace_md(capsys):
+    """--potential mace: the small random-weight MACE on fcc argon with its four species assigned,
+    MD at P = 1, 2 with the md keys (tensor and resident peaks per rank, halo against the ghost
+    shell, time per step) and parity against serial MACE."""
+    r = _bench(
+        ["--potential", "mace", "--atoms", "32", "--ranks", "1,2", "--steps", "1", "--mode", "md"], capsys
+    )
+    assert r["potential"] == "mace" and r["atoms"] == 32 and [x["ranks"] for x in r["runs"]] == [1, 2]
+    for run in r["runs"]:
+        assert set(result_keys()) <= set(run)
+        assert run["energy_rel_error"] <= 1e-13 and run["max_force_error"] <= 1e-13
+        assert run["max_stress_error"] <= 1e-15 and run["max_position_error"] <= 1e-12
+        assert min(run["peak_memory_bytes_per_rank"]) > 0 and min(run["peak_rss_bytes_per_rank"]) > 0
+        assert run["seconds_per_step"] > 0 and run["ghost_shell_estimate"] > 0
+    assert r["halo_ratio_max"] > 0
+
+
+def test_bench_atoms_overhead_mpnn(capsys):
+    """--mode overhead: hooks, dispatch (same weights, loaded strict) and at P=1 the plain model
+    and the serial evaluator, side by side; parity fields at round-off, ratios present."""
+    r = _bench(
+        ["--mode", "overhead", "--atoms", "108", "--ranks", "1,2", "--repeats", "1", "--stress"], capsys
+    )
+    assert r["mode"] == "overhead" and r["stress"] and r["atoms"] == 108
+    assert [sorted(x["legs"]) for x in r["runs"]] == [
+        ["dispatch", "hooks", "plain", "serial"],
+        ["dispatch", "hooks"],
+    ]
+    for run in r["runs"]:
+        assert run["ghost_shell_estimate"] > 0 and min(run["halo_atoms_per_rank"]) > 0
+        for leg in run["legs"].values():
+            assert leg["energy_rel_error"] <= 1e-14 and leg["max_force_error"] <= 1e-13 * leg["max_force"]
+            assert leg["max_virial_error"] <= 1e-12
+            assert leg["seconds_per_evaluation"] > 0 and leg["cpu_seconds_per_evaluation"] > 0
+            assert min(leg["peak_memory_bytes_per_rank"]) > 0
+    ratios = ["dispatch_over_hooks_P1", "dispatch_over_hooks_P2", "hooks_over_plain_P1"]
+    ratios += ["dispatch_over_plain_P1", "hooks_over_serial_P1", "dispatch_over_hooks_cpu_P2"]
+    for key in ratios:
+        assert r[key] > 0, key
+    assert r["max_force_error"] <= 1e-13 and isinstance(r["dispatch_target_met"], bool)
+
+
+def _overhead_with_other_weights(opts):
+    """Planted bug: the dispatch leg's plain model does not get the hooks model's weights."""
+    from twinshard.bench import atoms_overhead
+
+    original = atoms_overhead._models
+
+    def models(o):
+        hooks, plain = original(o)
+        with torch.no_grad():
+            plain.layers[0].message["weight"].mul_(1.01)
+        return hooks, plain
+
+    atoms_overhead._models = models
+    try:
+        return atoms_overhead.overhead_rank(opts)
+    finally:  # the pool's workers are reused: leave no patch behind
+        atoms_overhead._models = original
+
+
+def test_bench_atoms_overhead_catches_legs_that_differ():
+    """Negative control: legs running different weights are refused (their ratio means nothing)."""
+    opts = dict(potential="mpnn", model=None, atoms=32, seed=0, skin=1.0, repeats=0, stress=False)
+    run = run_on_world(_overhead_with_other_weights, 1, opts)[0]
+    with pytest.raises(ValueError, match="leg disagrees with the serial plain model .* not comparable"):
+        check_agreement(run, run.pop("reference"))

@@ -46,14 +46,26 @@ __all__ = ["add_parser", "plot", "run"]
 
 MEMORY_TARGET = 0.4
 HALO_TARGET = 1.25
+# default --atoms by potential: MACE (random weights, CPU) is ~100x slower per atom than LJ
+DEFAULT_ATOMS = {"lj": 32768, "mpnn": 32768, "mace": 2048}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``atoms`` under ``twinshard bench``."""
     p = subparsers.add_parser("atoms", help="distributed MD (MPNN) at P = 1, 2, 4 against serial")
-    p.add_argument("--atoms", type=int, default=32768, help="at least this many atoms (fcc argon)")
+    p.add_argument(
+        "--atoms",
+        type=int,
+        default=None,
+        help=f"at least this many atoms (fcc argon; default {DEFAULT_ATOMS['mpnn']}, mace {DEFAULT_ATOMS['mace']})",
+    )
     p.add_argument("--structure", default="fcc_argon", help="embedded structure name or file")
-    p.add_argument("--potential", choices=("lj", "mpnn"), default="mpnn")
+    p.add_argument("--potential", choices=("lj", "mpnn", "mace"), default="mpnn")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="--potential mace: a model saved by mace-torch (default: a small random-weight MACE)",
+    )
     p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
     p.add_argument("--steps", type=int, default=3, help="MD steps per run")
     p.add_argument("--dt", type=float, default=2.0)
@@ -65,9 +77,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.add_argument(
         "--mode",
-        choices=("both", "eval", "md"),
+        choices=("both", "eval", "md", "overhead"),
         default="both",
-        help="eval: force evaluations only (per-part times, memory, parity); md: MD runs only",
+        help="eval: force evaluations only (per-part times, memory, parity); md: MD runs only; "
+        "overhead: the same model and weights through refresh hooks, through the dispatch and "
+        "(at P=1) plainly, timed side by side",
+    )
+    p.add_argument(
+        "--stress", action="store_true", help="overhead: evaluate stress too (default: forces, as an MD step)"
     )
     p.add_argument("--weak", action="store_true", help="evaluation: --atoms per rank (weak scaling)")
     p.add_argument("--repeats", type=int, default=5, help="evaluation: timed evaluations (median)")
@@ -94,7 +111,17 @@ def _ranks(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every P (spawning local ranks through the shared pool) and print the JSON line."""
     ranks = _ranks(args.ranks)
+    if getattr(args, "atoms", None) is None:
+        args.atoms = DEFAULT_ATOMS[args.potential]
+    if getattr(args, "model", None) is not None and args.potential != "mace":
+        raise ValueError("--model is an option of --potential mace")
     mode = getattr(args, "mode", "both")
+    if mode == "overhead":
+        from twinshard.bench.atoms_overhead import run_overhead
+
+        result = run_overhead(args)
+        print(json.dumps(result))
+        return result
     evaluation = run_evaluation(args) if mode in ("both", "eval") else None
     if mode == "eval":
         assert evaluation is not None
@@ -107,11 +134,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="twinshard-bench-atoms-") as tmp:
         cache = os.path.join(tmp, "serial.pt")
         runs = []
+        structure = args.structure
+        if args.potential == "mace":  # fcc argon with the model's species assigned, as a file
+            structure = os.path.join(tmp, "mace-structure.extxyz")
+            write_structure(structure, _bench_system(vars(args), 1, mace_species(args.model)))
         for p in ranks:
             cfg = MDConfig(
-                structure=args.structure,
+                structure=structure,
                 atoms=args.atoms,
                 potential=args.potential,
+                model=getattr(args, "model", None),
                 steps=args.steps,
                 dt=args.dt,
                 temperature=args.temperature,
@@ -302,22 +334,67 @@ def _plot_md(result: dict[str, Any], path: str) -> None:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def _eval_system(opts: dict[str, Any], nranks: int) -> Any:
+def _bench_system(opts: dict[str, Any], nranks: int, species: list[int] | None = None) -> Any:
     """The benchmark system on the source rank: fcc argon (rattled so forces are not zero by
-    symmetry), ``atoms`` in all, or ``atoms`` per rank in the weak-scaling mode."""
-    from twinshard.atoms.structures import fcc_argon
+    symmetry), ``atoms`` in all, or ``atoms`` per rank in the weak-scaling mode; with ``species``
+    (MACE: the model's atomic numbers) the atoms get those species in a seeded random order."""
+    import torch
 
-    n = int(opts["atoms"]) * (nranks if opts["weak"] else 1)
-    return fcc_argon(n_atoms=n, rattle=0.05, seed=int(opts["seed"]))
+    from twinshard.atoms.structures import fcc_argon
+    from twinshard.atoms.system import System
+
+    n = int(opts["atoms"]) * (nranks if opts.get("weak") else 1)
+    s = fcc_argon(n_atoms=n, rattle=0.05, seed=int(opts["seed"]))
+    if not species:
+        return s
+    order = torch.randperm(s.n_atoms, generator=torch.Generator().manual_seed(int(opts["seed"]) + 3))
+    numbers = torch.tensor(sorted(species), dtype=torch.int64)[order % len(species)]
+    return System(positions=s.positions, numbers=numbers, cell=s.cell, pbc=s.pbc, info=s.info)
+
+
+_MACE: dict[Any, Any] = {}
+
+
+def mace_model(path: str | None) -> Any:
+    """The MACE module of ``--model`` (``load_mace``) or the small random-weight default
+    (``build_mace``: same seed, same weights on every rank); built once per process."""
+    if path not in _MACE:
+        from twinshard.atoms.potentials.mace import build_mace, load_mace
+
+        _MACE[path] = load_mace(path) if path else build_mace()
+    return _MACE[path]
+
+
+def mace_species(path: str | None) -> list[int]:
+    """The atomic numbers the MACE model has parameters for (the default's without building it)."""
+    if path is None:
+        from twinshard.atoms.potentials.mace import DEFAULT_SPECIES
+
+        return sorted(DEFAULT_SPECIES)
+    return sorted(int(z) for z in mace_model(path).atomic_numbers.tolist())
+
+
+def write_structure(path: str, system: Any) -> None:
+    from twinshard.atoms.io import write
+
+    write(path, system)
 
 
 def _eval_potential(opts: dict[str, Any]) -> Any:
+    if opts["potential"] == "mace":
+        from twinshard.atoms.potentials.mace import MaceAdapter
+
+        return MaceAdapter(mace_model(opts.get("model")))
     from twinshard.atoms.potentials import make_potential
 
     kw: dict[str, Any] = {}
     if opts["potential"] == "lj" and opts.get("kernel"):
         kw["kernel"] = opts["kernel"]
     return make_potential(opts["potential"], species=[18], **kw)
+
+
+def _eval_system(opts: dict[str, Any], nranks: int, pot: Any) -> Any:
+    return _bench_system(opts, nranks, getattr(pot, "species", None) if opts["potential"] == "mace" else None)
 
 
 def _median(xs: list[float]) -> float:
@@ -334,25 +411,32 @@ def serial_eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
     import time
 
     from twinshard.atoms.neighbors import VerletList
+    from twinshard.atoms.plain_inputs import evaluate_serial, is_plain
     from twinshard.atoms.potentials import evaluate, has_analytic
     from twinshard.tensors.memory import RssWindow, peak_memory_during
 
-    system = _eval_system(opts, int(opts["serial_of"]))
     pot = _eval_potential(opts)
+    system = _eval_system(opts, int(opts["serial_of"]), pot)
+
+    def evaluate_one(verlet: Any, fast: bool) -> Any:
+        if is_plain(pot):  # MACE: the plain contract (no analytic path)
+            return evaluate_serial(pot, system, verlet)
+        return evaluate(pot, system, verlet, analytic=fast)
+
     paths = ["analytic", "autograd"] if has_analytic(pot) else ["autograd"]
     out: dict[str, Any] = {"atoms": system.n_atoms, "paths": {}}
     for path in paths:
         fast = path == "analytic"
         verlet = VerletList(pot.cutoff, float(opts["skin"]))
-        res = evaluate(pot, system, verlet, analytic=fast)  # warm-up: builds the list
+        res = evaluate_one(verlet, fast)  # warm-up: builds the list
         times = []
         for _ in range(int(opts["repeats"])):
             t0 = time.perf_counter()
-            res = evaluate(pot, system, verlet, analytic=fast)
+            res = evaluate_one(verlet, fast)
             times.append(time.perf_counter() - t0)
         with RssWindow() as rss:
             res, peak = peak_memory_during(
-                lambda v=verlet, a=fast: evaluate(pot, system, v, analytic=a), system.positions.device
+                lambda v=verlet, a=fast: evaluate_one(v, a), system.positions.device
             )
         out["paths"][path] = {
             "seconds": _median(times),
@@ -384,6 +468,7 @@ def eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
 
     from twinshard.atoms.distributed import DistributedPotential
     from twinshard.atoms.driver import ghost_shell_estimate
+    from twinshard.atoms.plain_inputs import potential_mode
     from twinshard.atoms.sharded import ShardedSystem
     from twinshard.comm import primitives as prim
     from twinshard.runtime import require_world
@@ -392,9 +477,9 @@ def eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
     world = require_world("twinshard bench atoms (evaluation)")
     nranks = world.size
     pot = _eval_potential(opts)
-    system = _eval_system(opts, nranks) if world.rank == 0 else None
+    system = _eval_system(opts, nranks, pot) if world.rank == 0 else None
     sharded = ShardedSystem.scatter(system, 0, cutoff=float(pot.cutoff), skin=float(opts["skin"]))
-    dp = DistributedPotential(pot, analytic=opts["analytic"])
+    dp = DistributedPotential(pot, analytic=opts["analytic"], mode=potential_mode(pot))
     device = sharded.positions.device
     with RssWindow() as rss:
         _, build_peak = peak_memory_during(lambda: dp.compute(sharded), device)  # builds the list
@@ -481,6 +566,7 @@ def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
         "atoms": args.atoms,
         "weak": bool(args.weak),
         "potential": args.potential,
+        "model": getattr(args, "model", None),
         "kernel": getattr(args, "kernel", None),
         "skin": args.skin,
         "seed": args.seed,

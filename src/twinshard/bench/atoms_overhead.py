@@ -1,0 +1,282 @@
+"""``twinshard bench atoms --mode overhead``: what twinshard adds to a message-passing model.
+
+One run, one system (fcc argon, rattled), one set of weights; every leg is timed in every
+repeat, side by side (after one warm-up each; the order rotates from repeat to repeat, so a
+drift of the machine's load spreads over all legs):
+
+- ``hooks``: :class:`~twinshard.atoms.potentials.mpnn.MessagePassingPotential` (the Graph
+  contract: ``graph.refresh`` before each layer) through ``DistributedPotential(mode="hooks")``;
+- ``dispatch``: :class:`~twinshard.atoms.potentials.mpnn_plain.PlainMessagePassing` (plain
+  PyTorch, no twinshard call) unmodified through ``DistributedPotential(mode="dispatch")``, with
+  the hooks model's ``state_dict`` loaded strict (same names, same weights);
+- at P = 1 only, ``plain``: the plain model on plain tensors
+  (:func:`~twinshard.atoms.plain_inputs.evaluate_plain`: no ShardTensor, no halo, no
+  communication), and ``serial``: the hooks model through the serial evaluator
+  (:func:`~twinshard.atoms.potentials.evaluate`, the identity refresh).
+
+``--potential mace``: the ``dispatch`` and ``plain`` legs (MACE has no refresh-hook twin).
+Forces and energies (as an MD step) unless ``--stress``. Note that with ``--stress`` the two
+message-passing models differ in how they strain: the plain model displaces positions and edge
+shifts per atom and per edge (as MACE does), the hooks path strains the block once.
+
+Per P and leg: the max over ranks of the per-rank median wall time, the same for CPU time
+(``time.process_time``: less sensitive to other processes on a loaded machine), the tensor peak
+of one evaluation per rank, and parity against the serial plain model (energy relative error,
+max force error, max virial error with ``--stress``). The summary holds the ratios
+``dispatch_over_hooks_P{P}`` (target <= 1.10) and at P = 1 ``hooks_over_plain_P1``,
+``dispatch_over_plain_P1`` (target <= 1.05) and ``hooks_over_serial_P1`` (each also as
+``..._cpu_P{P}``). At P = 1 a periodic block still carries the halo rows of its own periodic
+images (``halo_atoms_per_rank``): node-wise work that the serial run does not do.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from twinshard.atoms.driver import COLLECTIVE_TIMEOUT
+from twinshard.bench.atoms import _bench_system, _median, _ranks, mace_model
+from twinshard.runtime import shared_pool
+
+__all__ = ["overhead_rank", "reference_rank", "run_overhead"]
+
+DISPATCH_TARGET = 1.10
+P1_TARGET = 1.05
+# legs that disagree beyond fp64 round-off do not compute the same thing: their times are not
+# comparable (a relative error, against the largest force or the energy)
+AGREEMENT = 1e-11
+
+
+def _models(opts: dict[str, Any]) -> tuple[Any, Any]:
+    """``(hooks model or None, plain model)`` with the same weights."""
+    if opts["potential"] == "mace":
+        from twinshard.atoms.potentials.mace import MaceAdapter
+
+        return None, MaceAdapter(mace_model(opts.get("model")))
+    if opts["potential"] != "mpnn":
+        raise ValueError("--mode overhead measures message-passing models: --potential mpnn or mace")
+    from twinshard.atoms.potentials import MessagePassingPotential
+    from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
+
+    hooks = MessagePassingPotential(species=[18], seed=int(opts["seed"]))
+    plain = PlainMessagePassing(
+        species=hooks.species,
+        cutoff=hooks.cutoff,
+        n_features=hooks.embedding.shape[1],
+        n_basis=hooks.n_basis,
+        n_layers=hooks.n_layers,
+        seed=int(opts["seed"]) + 1,  # another draw: the weights below must come from load_state_dict
+        energy_scale=hooks.energy_scale,
+        avg_neighbors=hooks.avg_neighbors,
+    )
+    plain.load_state_dict(hooks.state_dict(), strict=True)
+    return hooks, plain
+
+
+def _species(opts: dict[str, Any], plain: Any) -> list[int] | None:
+    return list(plain.species) if opts["potential"] == "mace" else None
+
+
+def reference_rank(opts: dict[str, Any]) -> dict[str, Any]:
+    """One process: the serial plain model (the parity reference)."""
+    from twinshard.atoms.plain_inputs import evaluate_plain
+
+    _, plain = _models(opts)
+    system = _bench_system(opts, 1, _species(opts, plain))
+    res = evaluate_plain(plain, system, bool(opts["stress"]))
+    return {"ids": system.ids, "energy": res.energy, "forces": res.forces, "virial": res.virial}
+
+
+def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
+    """Every rank: the legs of the module docstring on one scattered system, timed side by side.
+
+    Collectives: those of ``DistributedPotential.compute`` per distributed leg and evaluation,
+    one barrier before each timed evaluation, and all_gathers of the statistics, ids and
+    forces at the end. Memory per rank: one evaluation's autograd graph at a time."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from twinshard.atoms.distributed import DistributedPotential
+    from twinshard.atoms.driver import ghost_shell_estimate
+    from twinshard.atoms.neighbors import VerletList
+    from twinshard.atoms.plain_inputs import evaluate_plain
+    from twinshard.atoms.potentials import evaluate
+    from twinshard.atoms.sharded import ShardedSystem
+    from twinshard.comm import primitives as prim
+    from twinshard.runtime import require_world
+    from twinshard.tensors.memory import peak_memory_during
+
+    world = require_world("twinshard bench atoms --mode overhead")
+    nranks = world.size
+    hooks, plain = _models(opts)
+    system = _bench_system(opts, 1, _species(opts, plain)) if world.rank == 0 else None
+    skin, stress = float(opts["skin"]), bool(opts["stress"])
+    sharded = ShardedSystem.scatter(system, 0, cutoff=float(plain.cutoff), skin=skin)
+    legs: dict[str, Any] = {}
+    if hooks is not None:
+        dp_hooks = DistributedPotential(hooks, mode="hooks")
+        legs["hooks"] = lambda: dp_hooks.compute(sharded, compute_stress=stress)
+    dp_dispatch = DistributedPotential(plain, mode="dispatch")
+    legs["dispatch"] = lambda: dp_dispatch.compute(sharded, compute_stress=stress)
+    if nranks == 1:
+        assert system is not None
+        v_plain = VerletList(plain.cutoff, skin)
+        legs["plain"] = lambda: evaluate_plain(plain, system, stress, v_plain)
+        if hooks is not None:
+            v_serial = VerletList(hooks.cutoff, skin)
+            legs["serial"] = lambda: evaluate(hooks, system, v_serial, compute_stress=stress)
+    names = list(legs)
+    device = sharded.positions.device
+    results = {k: legs[k]() for k in names}  # warm-up: neighbour lists, caches
+    peaks = {k: peak_memory_during(legs[k], device)[1] for k in names}
+    wall: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(int(opts["repeats"])):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            dist.barrier(sharded.group)  # start together: the max over ranks is one evaluation's time
+            t0, c0 = time.perf_counter(), time.process_time()
+            legs[k]()
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+    row = [float(sharded.n_halo), float(sharded.n_owned)]
+    for k in names:
+        row += [_median(wall[k]), _median(cpu[k]), float(peaks[k])]
+    stats = prim.all_gather(
+        torch.tensor([row], dtype=torch.float64, device=device), 0, sharded.group, op="bench"
+    )
+    counts = sharded.counts()
+    ids = prim.all_gather(sharded.ids.contiguous(), 0, sharded.group, counts, op="bench")
+    forces = {
+        k: prim.all_gather(results[k].forces.contiguous(), 0, sharded.group, counts, op="bench")
+        for k in names
+        if k in ("hooks", "dispatch")
+    }
+    if world.rank != 0:
+        return {}
+    stats = stats.cpu()
+    grid = tuple(getattr(sharded.partition, "grid", (nranks, 1, 1)))
+    out: dict[str, Any] = {
+        "ranks": nranks,
+        "atoms": sharded.n_total,
+        "rank_grid": list(grid),
+        "halo_atoms_per_rank": [int(v) for v in stats[:, 0].tolist()],
+        "owned_atoms_per_rank": [int(v) for v in stats[:, 1].tolist()],
+        "ghost_shell_estimate": ghost_shell_estimate(
+            sharded.n_total, sharded.cell, sharded.pbc, grid, sharded.cutoff + sharded.skin
+        ),
+        "legs": {},
+    }
+    for i, k in enumerate(names):
+        c = 2 + 3 * i
+        res = results[k]
+        leg = {
+            "seconds_per_evaluation": float(stats[:, c].max()),
+            "seconds_per_rank": stats[:, c].tolist(),
+            "cpu_seconds_per_evaluation": float(stats[:, c + 1].max()),
+            "cpu_seconds_per_rank": stats[:, c + 1].tolist(),
+            "peak_memory_bytes_per_rank": [int(v) for v in stats[:, c + 2].tolist()],
+            "seconds_all_rank0": wall[k],
+            "energy": float(res.energy),
+            "virial": res.virial,
+            "ids": ids if k in forces else system.ids,  # type: ignore[union-attr]
+            "forces": forces.get(k, res.forces),
+        }
+        out["legs"][k] = leg
+    if nranks == 1:
+        p = results["plain"]
+        out["reference"] = {"ids": system.ids, "energy": p.energy, "forces": p.forces, "virial": p.virial}  # type: ignore[union-attr]
+    return out
+
+
+def _parity(leg: dict[str, Any], ref: dict[str, Any]) -> None:
+    """Replace the leg's arrays by its errors against the serial plain model."""
+    import torch
+
+    f = leg.pop("forces")[torch.argsort(leg.pop("ids"))]
+    ref_f = ref["forces"][torch.argsort(ref["ids"])]
+    virial = leg.pop("virial")
+    e_ref = float(ref["energy"])
+    leg["energy_rel_error"] = abs(leg["energy"] - e_ref) / max(abs(e_ref), 1e-300)
+    leg["max_force_error"] = float((f - ref_f).abs().max())
+    leg["max_force"] = float(ref_f.abs().max())
+    if virial is not None and ref["virial"] is not None:
+        leg["max_virial_error"] = float((virial - ref["virial"]).abs().max())
+
+
+def check_agreement(run: dict[str, Any], ref: dict[str, Any]) -> None:
+    """Parity of every leg of one run against the serial plain model (arrays replaced by their
+    errors); raises if a leg disagrees beyond round-off, naming it: then the legs do not run the
+    same model and weights, and the ratios would compare different computations."""
+    for name, leg in run["legs"].items():
+        _parity(leg, ref)
+        force = leg["max_force_error"] / max(leg["max_force"], 1e-300)
+        if max(leg["energy_rel_error"], force) > AGREEMENT:
+            raise ValueError(
+                f"bench atoms --mode overhead: at P={run['ranks']} the {name!r} leg disagrees with the "
+                f"serial plain model (energy rel. error {leg['energy_rel_error']:.1e}, force error "
+                f"{force:.1e} of the largest force; round-off is < {AGREEMENT:g}): the legs do not "
+                "compute the same model with the same weights, so their times are not comparable"
+            )
+
+
+def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """Every P of ``--ranks`` (local ranks through the shared pool); the JSON object."""
+    ranks = _ranks(args.ranks)
+    opts = {
+        "potential": args.potential,
+        "model": getattr(args, "model", None),
+        "atoms": args.atoms,
+        "seed": args.seed,
+        "skin": args.skin,
+        "repeats": args.repeats,
+        "stress": bool(getattr(args, "stress", False)),
+    }
+    pool = shared_pool()
+    timeout = min(float(args.timeout), COLLECTIVE_TIMEOUT)
+    runs = [pool.run(overhead_rank, p, opts, timeout=timeout)[0] for p in ranks]
+    one = [r for r in runs if r["ranks"] == 1]
+    ref = one[0]["reference"] if one else pool.run(reference_rank, 1, opts, timeout=timeout)[0]
+    out: dict[str, Any] = {
+        "bench": "atoms",
+        "mode": "overhead",
+        "potential": args.potential,
+        "model": opts["model"],
+        "atoms": runs[0]["atoms"],
+        "stress": opts["stress"],
+        "repeats": int(args.repeats),
+        "dispatch_target": DISPATCH_TARGET,
+        "p1_target": P1_TARGET,
+        "runs": runs,
+    }
+    for r in runs:
+        r.pop("reference", None)
+        legs, p = r["legs"], r["ranks"]
+        check_agreement(r, ref)
+
+        def ratio(a: str, b: str, key: str, legs: dict = legs) -> float | None:
+            return legs[a][key] / legs[b][key] if a in legs and b in legs else None
+
+        pairs = [("dispatch", "hooks")] + (
+            [("hooks", "plain"), ("dispatch", "plain"), ("hooks", "serial")] if p == 1 else []
+        )
+        for a, b in pairs:
+            for suffix, key in (("", "seconds_per_evaluation"), ("_cpu", "cpu_seconds_per_evaluation")):
+                v = ratio(a, b, key)
+                if v is not None:
+                    out[f"{a}_over_{b}{suffix}_P{p}"] = v
+        if not args.json:
+            times = ", ".join(f"{k} {v['seconds_per_evaluation'] * 1e3:.0f}" for k, v in legs.items())
+            cpus = ", ".join(f"{k} {v['cpu_seconds_per_evaluation'] * 1e3:.0f}" for k, v in legs.items())
+            worst = max(v["max_force_error"] for v in legs.values())
+            print(f"P={p}: ms/eval {times} (cpu ms {cpus}); max |dF| {worst:.1e}", flush=True)
+    every = [leg for r in runs for leg in r["legs"].values()]
+    out["max_force_error"] = max(leg["max_force_error"] for leg in every)
+    out["energy_rel_error"] = max(leg["energy_rel_error"] for leg in every)
+    d = [v for k, v in out.items() if k.startswith("dispatch_over_hooks_P")]
+    out["dispatch_target_met"] = max(d) <= DISPATCH_TARGET if d else None
+    p1 = [out.get(f"{a}_over_plain_P1") for a in ("hooks", "dispatch")]
+    p1 = [v for v in p1 if v is not None]
+    out["p1_target_met"] = max(p1) <= P1_TARGET if p1 else None
+    return out
