@@ -545,7 +545,9 @@ def _run_grads(func: Any, args: tuple, kwargs: dict) -> Any:
             # a plain (replicated) input: each rank holds its atoms' part of the gradient; every
             # rank must take part, so a missing gradient is a zero one
             gg = torch.zeros_like(t) if g is None else g
-            g = partial_to_replicate(gg, group)
+            # a plain input's gradient is plain: the backward may have wrapped it as per-atom when
+            # its row count equals a rank's atom count (one atom per rank, one system)
+            g = partial_to_replicate(to_local(gg), group)
         out.append(g)
     return tuple(out)
 
