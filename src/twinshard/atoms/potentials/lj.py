@@ -24,66 +24,20 @@ Two evaluations of the same function:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from twinshard.atoms.potentials.base import Graph, Potential
+from twinshard.atoms.potentials.lj_kernels import (
+    KERNELS,
+    PairResults,
+    pairs_compiled,
+    pairs_torch,
+    resolve_kernel,
+)
 
 __all__ = ["LennardJones", "PairResults"]
-
-
-class PairResults(NamedTuple):
-    """Per-atom energies ``[n]``, forces ``[n, 3]`` and virial ``[3, 3]`` (None if not asked)
-    of the pairs of a half list, every row of the block (halo rows hold partial sums)."""
-
-    per_atom: torch.Tensor
-    forces: torch.Tensor
-    virial: torch.Tensor | None
-
-
-KERNELS = ("torch", "compile")
-_COMPILED: dict[str, object] = {}
-
-
-def _pair_terms(
-    d: torch.Tensor,
-    sig2: torch.Tensor | float,
-    eps4: torch.Tensor | float,
-    ec: torch.Tensor | float,
-    rc2: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair energy phi [E], w = -phi'(r)/r [E]) of LJ from r_ij ``d [E, 3]``; zero beyond ``rc2``.
-
-    In-place chain: three ``[E]`` float temporaries and one bool mask.
-    """
-    inv = torch.linalg.vecdot(d, d)  # r^2
-    inside = inv < rc2
-    inv.reciprocal_().mul_(inside)  # 1 / r^2 inside the cutoff, 0 outside (no inf reaches a product)
-    s6 = inv * sig2
-    s6.pow_(3)  # (sigma / r)^6
-    w = s6 * s6  # (sigma / r)^12
-    phi = (w - s6).mul_(eps4).sub_(ec).mul_(inside)
-    w.mul_(2.0).sub_(s6).mul_(inv).mul_(eps4).mul_(6.0)  # 24 eps (2 s12 - s6) / r^2
-    return phi, w
-
-
-def _compiled_pair_terms() -> object:
-    fn = _COMPILED.get("pair_terms")
-    if fn is None:
-
-        def terms(d, sig2, eps4, ec, rc2: float):  # out-of-place: inductor fuses it into one loop
-            r2 = (d * d).sum(1)
-            inside = r2 < rc2
-            inv = torch.where(inside, 1.0 / r2, 0.0)
-            s6 = (inv * sig2) ** 3
-            phi = torch.where(inside, eps4 * (s6 * s6 - s6) - ec, 0.0)
-            w = 6.0 * eps4 * (2.0 * s6 * s6 - s6) * inv
-            return phi, w
-
-        fn = _COMPILED["pair_terms"] = torch.compile(terms, dynamic=True)
-    return fn
 
 
 _ARGON = {18: (0.0104, 3.405)}  # eV, Angstrom
@@ -96,8 +50,10 @@ class LennardJones(Potential):
         parameters: ``{atomic_number: (epsilon_eV, sigma_A)}``; default argon.
         cutoff: absolute cutoff in Angstrom; default ``2.5 * max(sigma)``.
         shift: subtract ``phi_ab(r_c)`` so the energy is continuous at the cutoff.
-        kernel: the per-pair arithmetic of :meth:`analytic`: ``"torch"`` (default,
-            plain PyTorch) or ``"compile"`` (``torch.compile``).
+        kernel: the per-pair kernel of :meth:`analytic` (see
+            :mod:`~twinshard.atoms.potentials.lj_kernels`): ``"torch"`` (default, plain
+            PyTorch), ``"compile"`` (one fused ``torch.compile`` kernel) or ``"auto"``
+            (compiled for large lists when a compiler is available).
         dtype: dtype of the parameters (computation runs in the promoted dtype
             of parameters and positions, so fp64 positions give fp64 energies).
 
@@ -135,24 +91,15 @@ class LennardJones(Potential):
     def extra_repr(self) -> str:
         return f"species={self.species}, cutoff={self.cutoff}, shift={self.shift}, kernel={self.kernel}"
 
-    def _pair_parameters(
-        self, numbers: torch.Tensor, i: torch.Tensor, j: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor | float, torch.Tensor | float, torch.Tensor | float]:
-        """(sigma_ij^2, 4 eps_ij, energy shift) per pair, scalars for a single species."""
+    def _tables(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[3, ns, ns]``: sigma_ab^2, 4 eps_ab and the energy shift phi_ab(r_c) (0 unshifted)."""
         eps = self.epsilon.detach().to(dtype)
         sig = self.sigma.detach().to(dtype)
-        ns = eps.numel()
-        eps_t = torch.sqrt(eps[:, None] * eps[None, :])
-        sig2_t = (0.5 * (sig[:, None] + sig[None, :])) ** 2
-        rc2 = self.cutoff**2
-        s6c = (sig2_t / rc2) ** 3
-        ec_t = 4.0 * eps_t * (s6c * s6c - s6c) if self.shift else torch.zeros_like(eps_t)
-        if ns == 1:
-            self.species_rows(numbers)  # the same clear error for an unknown atomic number
-            return float(sig2_t), float(4.0 * eps_t), float(ec_t)
-        sp = self.species_rows(numbers)
-        t = sp.index_select(0, i).mul_(ns).add_(sp.index_select(0, j))
-        return sig2_t.flatten()[t], (4.0 * eps_t).flatten()[t], ec_t.flatten()[t]
+        eps4 = 4.0 * torch.sqrt(eps[:, None] * eps[None, :])
+        sig2 = (0.5 * (sig[:, None] + sig[None, :])) ** 2
+        s6c = (sig2 / self.cutoff**2) ** 3
+        ec = eps4 * (s6c * s6c - s6c) if self.shift else torch.zeros_like(eps4)
+        return torch.stack([sig2, eps4, ec])
 
     @torch.no_grad()
     def analytic(
@@ -170,37 +117,25 @@ class LennardJones(Potential):
         block) list each pair once with ``r_ij = positions[j] + shift - positions[i]``.
         Each pair adds ``phi / 2`` to both atoms' energies, ``w r_ij`` to the force on
         j and ``-w r_ij`` to i (``w = -phi'(r) / r``), ``w r_ij (x) r_ij`` to the virial.
-        Results cover every row (halo rows hold the partial sums of their owners).
+        Results cover every row (halo rows hold the partial sums of their owners). The
+        arithmetic runs in :mod:`~twinshard.atoms.potentials.lj_kernels` (``self.kernel``).
         """
         dtype = torch.promote_types(torch.promote_types(positions.dtype, self.epsilon.dtype), torch.float32)
         pos = positions.detach().to(dtype)
-        n = pos.shape[0]
+        n, device = pos.shape[0], pos.device
         i, j = receivers, senders
-        d = pos.index_select(0, j)
-        d.sub_(pos.index_select(0, i))
         if shifts is not None:
-            d.add_(shifts.to(dtype))
-        sig2, eps4, ec = self._pair_parameters(numbers, i, j, dtype)
+            shifts = shifts.to(dtype)
+        sp = self.species_rows(numbers)  # a clear error for an unknown atomic number, on every path
+        table = self._tables(dtype).to(device)
         rc2 = float(self.cutoff**2)
-        if self.kernel == "compile":
-            phi, w = _compiled_pair_terms()(d, sig2, eps4, ec, rc2)
-        else:
-            phi, w = _pair_terms(d, sig2, eps4, ec, rc2)
-        phi.mul_(0.5)
-        per_atom = torch.zeros(n, dtype=dtype, device=pos.device)
-        per_atom.index_add_(0, i, phi)
-        per_atom.index_add_(0, j, phi)
-        del phi
-        f = d * w[:, None]  # the force on j from the pair: w r_ij
-        virial = None
-        if compute_virial:  # sum_pairs w r_ij (x) r_ij, symmetric (the matmul's rounding is not)
-            virial = f.transpose(0, 1) @ d
-            virial = 0.5 * (virial + virial.transpose(0, 1))
-        del d, w
-        forces = torch.zeros(n, 3, dtype=dtype, device=pos.device)
-        forces.index_add_(0, j, f)
-        forces.index_add_(0, i, f, alpha=-1.0)
-        return PairResults(per_atom, forces, virial)
+        if i.numel() == 0:
+            zero = torch.zeros(3, 3, dtype=dtype, device=device) if compute_virial else None
+            return PairResults(pos.new_zeros(n), pos.new_zeros(n, 3), zero)
+        kernel = (
+            pairs_compiled if resolve_kernel(self.kernel, i.numel(), device) == "compile" else pairs_torch
+        )
+        return kernel(pos, i, j, shifts, sp, table, rc2, compute_virial)
 
     def forward(self, graph: Graph) -> torch.Tensor:
         pos = graph.positions
