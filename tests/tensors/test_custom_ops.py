@@ -45,7 +45,7 @@ from twinshard.tensors.custom_ops import (
     distributed_scope,
 )
 from twinshard.tensors.dispatch import REGISTRY
-from twinshard.tensors.placements import Owned, ShardSpec
+from twinshard.tensors.placements import HaloPadded, HaloState, Owned, ShardSpec
 from twinshard.tensors.rng import normal
 from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 from twinshard.testing import (
@@ -115,6 +115,16 @@ def center(x: torch.Tensor) -> torch.Tensor:
     return x - x.mean(0, keepdim=True)
 
 
+@torch.library.custom_op("twinshard_test::moments", mutates_args=())
+def moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * x, x.sum(0)
+
+
+@torch.library.custom_op("twinshard_test::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+
+
 def _save(ctx, inputs, output):
     ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)])
 
@@ -141,7 +151,14 @@ def _center_bw(ctx, g):
     return g - g.mean(0, keepdim=True)
 
 
+def _moments_bw(ctx, g_sq, g_sum):
+    (x,) = ctx.saved_tensors
+    return 2 * x * g_sq + g_sum
+
+
 density.register_autograd(_density_bw, setup_context=_save)
+moments.register_autograd(_moments_bw, setup_context=_save)
+twice.register_autograd(lambda ctx, g: 2 * g, setup_context=lambda ctx, inputs, output: None)
 pair_energy.register_autograd(_pair_bw, setup_context=_save)
 total.register_autograd(_total_bw, setup_context=_save)
 center.register_autograd(_center_bw, setup_context=lambda ctx, inputs, output: None)
@@ -151,6 +168,8 @@ DECLARED = {
     "pair_energy": (pair_energy, {"pos": HALO_PAD, "q": HALO_PAD}, [OWNED_ROWS]),
     "total": (total, {"e": OWNED_ROWS}, [ALL_REDUCE]),
     "center": (center, {"x": GATHER}, [OWNED_ROWS]),
+    "moments": (moments, {"x": OWNED_ROWS}, [OWNED_ROWS, ALL_REDUCE]),
+    "twice": (twice, {"x": HALO_PAD}, [AS_IS]),
 }
 for _op, _ins, _outs in DECLARED.values():
     adapt(_op, inputs=_ins, outputs=_outs)
@@ -441,6 +460,70 @@ def test_gather_input_owned_rows_output(nranks):
 def test_gather_with_replicated_output_raises():
     for msg in run_on_world(_rank_gather, 2, True):
         assert "every per-atom input is gathered" in msg and "not AS_IS" in msg, msg
+
+
+# ---------------------------------------------------------------------- PARTIAL inputs, two outputs
+def _table_of(ids):
+    return normal(9, 3, ids[:, None].to(torch.int64), torch.arange(3)[None, :]).to(torch.float64)
+
+
+def _rank_partial(plant=False):
+    system = make_system() if dist.get_rank() == 0 else None
+    sh = ShardedSystem.scatter(system, cutoff=RC, skin=SKIN, grid=GRIDS[dist.get_world_size()])
+    plan, me = sh.plan, dist.get_rank()
+    b = torch.randn(plan.n_halo, 3, generator=torch.Generator().manual_seed(me), dtype=torch.float64)
+    # partial sums whose totals are the table: owned a plus the halo partials b of every rank
+    x = torch.cat([_table_of(sh.ids) - plan.reverse(b), b])
+    spec = ShardSpec(HaloPadded(plan), HaloState.PARTIAL, sh.group)
+    saved = C._owned_of
+    if plant:  # one-line bug: a PARTIAL tensor's halo sums never reach their owners
+        C._owned_of = lambda v: to_local(v)[: v.n_owned]
+    try:
+        with distributed_scope():
+            sq, tot = moments(from_local(x, spec))
+    finally:
+        C._owned_of = saved
+    with distributed_scope():
+        tw = twice(from_local(x, spec))
+        adj_tw = adjoint_pair(lambda t: to_local(twice(from_local(t, spec))), x, seed=50 + me)
+        adj_tot = adjoint_pair(lambda t: moments(from_local(t, spec))[1], x, seed=7)  # replicated dy
+    return {
+        "ids": sh.ids,
+        "block_ids": torch.cat([sh.ids, plan.halo_ids]),
+        "sq": (to_local(sq).detach(), repr(sq.placement)),
+        "tot": tot.detach(),
+        "tw": (to_local(tw).detach(), repr(tw.spec)),
+        "adj": (adj_tw, adj_tot),
+    }
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_partial_inputs_and_two_outputs(nranks):
+    """A PARTIAL input is completed (halo sums onto owners) before OWNED_ROWS and HALO_PAD; a
+    kernel with two outputs gets one move each (OWNED_ROWS, ALL_REDUCE); AS_IS of a block output is
+    STALE."""
+    res = run_on_world(_rank_partial, nranks)
+    full = _table_of(make_system().ids)
+    g = str(nranks)
+    for r in res:
+        sq, placement = r["sq"]
+        assert placement == "Owned()"
+        assert_parity(
+            sq, _table_of(r["ids"]) ** 2, grid=g, what=f"moments[0] OWNED_ROWS of PARTIAL P={nranks}"
+        )
+        assert_parity(r["tot"], full.sum(0), grid=g, what=f"moments[1] ALL_REDUCE P={nranks}")
+        tw, spec = r["tw"]
+        assert "stale" in spec, spec
+        assert_parity(tw, 2 * _table_of(r["block_ids"]), grid=g, what=f"twice HALO_PAD of PARTIAL P={nranks}")
+        _assert_adjoint(*r["adj"][0], f"twice adapter P={nranks}")
+        lhs, rhs = r["adj"][1]
+        _assert_adjoint(lhs, nranks * rhs, f"moments[1] adapter (replicated: lhs = P rhs) P={nranks}")
+
+
+def test_negative_control_partial_not_completed_fails_parity():
+    r = run_on_world(_rank_partial, 2, True)[0]
+    with pytest.raises(AssertionError, match="parity of moments.0. with a planted bug .* fails"):
+        assert_parity(r["sq"][0], _table_of(r["ids"]) ** 2, grid="2", what="moments[0] with a planted bug")
 
 
 # ---------------------------------------------------------------------- the halo custom ops

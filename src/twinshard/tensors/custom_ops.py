@@ -34,6 +34,9 @@ Input transforms (a ShardTensor argument; the kernel gets plain rows):
                                                         raises (its halo rows are not copies)
 ============== ======================================= =========================================
 
+A PARTIAL input's owned rows are completed first (its halo partial sums added onto their owners:
+reverse exchange; backward: forward exchange) for ``HALO_PAD``, ``GATHER`` and ``OWNED_ROWS``.
+
 Output transforms (the kernel's plain output; what the caller gets):
 
 ================ ===================================================== ==========================
@@ -425,24 +428,35 @@ def _input(c: _Call, move: Move, name: str, v: Any) -> Any:
         return to_local(v)
     if move is OWNED_ROWS:
         c.local = True
-        return to_local(v)[: v.n_owned]
+        if c.owned is None:  # an OWNED_ROWS / AS_IS output of n_owned rows is Owned
+            c.owned = (v.n_owned, spec.owned() if spec.halo else spec)
+        return _owned_of(v)
     if move is HALO_PAD:
         c.local = c.padded = True
         return _halo_pad(c, name, v)
     return _gather(c, v)
 
 
-def _halo_pad(c: _Call, name: str, v: ShardTensor) -> torch.Tensor:
+def _owned_of(v: ShardTensor) -> torch.Tensor:
+    """The complete owned rows (differentiable): a PARTIAL tensor's halo partial sums are added onto
+    their owners first (reverse exchange; backward: forward exchange)."""
     local = to_local(v)
+    if not v._spec.halo:
+        return local
+    n = v.plan.n_owned
+    if v.state == HaloState.PARTIAL:
+        return local[:n] + halo_reverse(local[n:], v.plan)
+    return local[:n]
+
+
+def _halo_pad(c: _Call, name: str, v: ShardTensor) -> torch.Tensor:
     if v._spec.halo:
         plan = v.plan
         if v.state == HaloState.FRESH:
-            return local
-        n = plan.n_owned
-        own = local[:n]
-        if v.state == HaloState.PARTIAL:
-            own = own + halo_reverse(local[n:], plan)
+            return to_local(v)
+        own = _owned_of(v)
     else:
+        local = to_local(v)
         plan = _need_plan(c, f"HALO_PAD of the Owned argument {name!r}")
         if local.shape[0] != plan.n_owned:
             raise ValueError(
@@ -453,7 +467,7 @@ def _halo_pad(c: _Call, name: str, v: ShardTensor) -> torch.Tensor:
 
 
 def _gather(c: _Call, v: ShardTensor) -> torch.Tensor:
-    rows = to_local(v)[: v.n_owned]
+    rows = _owned_of(v)
     pl = v._spec.placement
     counts = getattr(pl, "counts", None)
     if counts is None:
