@@ -287,6 +287,7 @@ def _rank_model(nranks, variant=None, system_name="fcc", scope=True):
         "e_placement": repr(e.placement),
         "installed": (installed, C.HANDLER_NAME in REGISTRY.names()),
         "calls": {k: v.calls for k, v in ledger.ops.items() if k.startswith("halo_")},
+        "live_plans": len(C._PLANS),  # handles live for one call only
         "energy": E.detach(),
         "per_atom": e_own.detach(),
         "forces": -gx_E,
@@ -297,11 +298,11 @@ def _rank_model(nranks, variant=None, system_name="fcc", scope=True):
 
 
 def _by_id(results, key, system):
-    pos = {int(i): k for k, i in enumerate(system.ids.tolist())}
+    """Every rank's owned rows of ``key`` in the serial system's order (NaN where none)."""
     first = results[0][key]
     out = torch.full((system.n_atoms,) + tuple(first.shape[1:]), float("nan"), dtype=first.dtype)
     for r in results:
-        out[torch.tensor([pos[int(i)] for i in r["ids"].tolist()], dtype=torch.int64)] = r[key]
+        out[rows_of(r["ids"], system.ids)] = r[key]
     return out
 
 
@@ -309,6 +310,7 @@ def _check_model(res, s, where, gid):
     system = s["system"]
     assert all("error" not in r for r in res), [r.get("error") for r in res]
     assert all(r["installed"] == (True, False) for r in res), "adapters installed in the scope only"
+    assert all(r["live_plans"] == 0 for r in res), "plan handles outlived their calls"
     assert all(r["e_placement"] == "Owned()" for r in res)
     if len(res) > 1:
         # forward: density pads pos and corrects its output, pair_energy pads pos again (q is
