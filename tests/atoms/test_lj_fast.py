@@ -6,6 +6,9 @@ form energies, forces and virial. Parity at the default round-off gate of ``asse
 (pairs straddling ranks counted on both) and a misrouted reverse sum are caught.
 """
 
+import inspect
+import textwrap
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +17,7 @@ from test_distributed import SKIN, _by_id, make_potential, make_system
 
 from twinshard.atoms.distributed import DistributedPotential
 from twinshard.atoms.neighbors import VerletList, half_of, neighbor_list
-from twinshard.atoms.potentials import LennardJones, evaluate
+from twinshard.atoms.potentials import LennardJones, evaluate, lj, lj_kernels
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.structures import triclinic_argon
 from twinshard.atoms.system import System
@@ -69,18 +72,122 @@ def test_half_list_is_the_canonical_half_of_the_full_list():
     assert rows(half) == rows(half_of(full))
 
 
-def test_compile_kernel_equals_torch_kernel():
-    """The torch.compile kernel (C++ on CPU) against the plain PyTorch one, and the oracle."""
-    pytest.importorskip("torch._inductor")
+KERNEL_CASES = ["torch", "torch_chunked", "compile"]
+KERNEL_SYSTEMS = ["triclinic", "cluster", "small_triclinic_one_species"]
+
+
+def _kernel_system(name):
+    if name == "small_triclinic_one_species":  # scalar parameters; self-image pairs
+        s = _small_triclinic()
+        return System(positions=s.positions, numbers=torch.full_like(s.numbers, 18), cell=s.cell)
+    return make_system(name)
+
+
+def _kernel_potential(kernel, mp):
+    """The test potential with ``kernel``; ``torch_chunked`` is the plain kernel cut into chunks of 7
+    pairs (many chunks and a ragged last one: the default chunk is larger than these test lists)."""
+    if kernel == "compile":
+        pytest.importorskip("torch._inductor")
+    if kernel == "torch_chunked":
+        mp.setattr(lj_kernels, "CHUNK", 7)
+        kernel = "torch"
+    pot = make_potential("lj")
+    pot.kernel = kernel
+    return pot
+
+
+@pytest.mark.parametrize("name", KERNEL_SYSTEMS)
+@pytest.mark.parametrize("kernel", KERNEL_CASES)
+def test_every_kernel_equals_autograd(kernel, name, monkeypatch):
+    """Each kernel against the autograd oracle (energy, per-atom, forces, virial, stress), and the
+    block form the distributed path uses (no shifts) on an open system; the compiled kernel also
+    against the plain one. The compiled graph is built once per process (dynamic sizes)."""
+    system = _kernel_system(name)
+    pot = _kernel_potential(kernel, monkeypatch)
+    ref = evaluate(pot, system, analytic=False)
+    fast = evaluate(pot, system)
+    _check_serial(fast, ref, f"{name}, kernel {kernel}")
+    if kernel == "compile":
+        pot.kernel = "torch"
+        plain = evaluate(pot, system)
+        for k in FIELDS:
+            if getattr(plain, k) is not None:  # no stress without a cell
+                assert_parity(
+                    getattr(fast, k), getattr(plain, k), what=f"{k} compiled vs torch kernel, {name}"
+                )
+        pot.kernel = "compile"
+    if not bool(system.pbc.any()):  # an open block, as DistributedPotential passes it: shifts=None
+        half = neighbor_list(system.positions, pot.cutoff, half=True)
+        pair = pot.analytic(system.positions, system.numbers, half.receivers, half.senders, None)
+        for k in ("per_atom", "forces", "virial"):
+            assert_parity(getattr(pair, k), getattr(ref, k), what=f"{k} {kernel}, shifts=None, {name}")
+
+
+def test_auto_kernel_choice(monkeypatch):
+    """ "auto": plain below AUTO_MIN_EDGES pairs or without a C++ compiler, compiled otherwise
+    (always on a GPU); an unknown kernel name is refused."""
+    big, cpu = lj_kernels.AUTO_MIN_EDGES, torch.device("cpu")
+    monkeypatch.setattr(lj_kernels, "_have_cxx", lambda: True)
+    assert lj_kernels.resolve_kernel("auto", big - 1, cpu) == "torch"
+    assert lj_kernels.resolve_kernel("auto", big, cpu) == "compile"
+    assert lj_kernels.resolve_kernel("torch", big, cpu) == "torch"
+    assert lj_kernels.resolve_kernel("compile", 1, cpu) == "compile"
+    monkeypatch.setattr(lj_kernels, "_have_cxx", lambda: False)
+    assert lj_kernels.resolve_kernel("auto", big, cpu) == "torch"
+    assert lj_kernels.resolve_kernel("auto", big, torch.device("cuda")) == "compile"
+    # a small system under "auto" runs the plain kernel: bitwise the torch kernel's results
     system = _small_triclinic()
-    params = {18: (0.0104, 3.405), 36: (0.0140, 3.65)}
-    plain = evaluate(LennardJones(params, cutoff=6.0), system)
-    compiled = evaluate(LennardJones(params, cutoff=6.0, kernel="compile"), system)
-    for k in FIELDS:
-        assert_parity(getattr(compiled, k), getattr(plain, k), what=f"{k} compiled vs torch kernel")
-    single = System(positions=system.positions, numbers=torch.full_like(system.numbers, 18), cell=system.cell)
-    one = LennardJones(cutoff=6.0, kernel="compile")  # one species: scalar parameters
-    _check_serial(evaluate(one, single), evaluate(one, single, analytic=False), "compiled, one species")
+    pot = make_potential("lj")
+    pot.kernel = "auto"
+    auto = evaluate(pot, system)
+    pot.kernel = "torch"
+    plain = evaluate(pot, system)
+    assert all(torch.equal(getattr(auto, k), getattr(plain, k)) for k in FIELDS)
+    with pytest.raises(ValueError, match="unknown LJ kernel 'fused'; choose one of"):
+        LennardJones(kernel="fused")
+
+
+def _plant(fn, old, new):
+    """``fn`` rebuilt from its source with the one line ``old`` replaced by ``new`` (a planted bug)."""
+    src = textwrap.dedent(inspect.getsource(fn))
+    assert src.count(old) == 1, f"planted bug: {old!r} not found once in {fn.__name__}"
+    ns = {}  # defined with the module's live globals (a monkeypatched CHUNK reaches it)
+    exec(compile(src.replace(old, new), f"<planted {fn.__name__}>", "exec"), fn.__globals__, ns)
+    return ns[fn.__name__]
+
+
+FUSED_BUGS = {
+    # the fused kernel's traced function, run eagerly with the bug (the check is under test, not inductor)
+    "j-side force dropped": (".index_add(0, j, fk).index_add(0, i, -fk)", ".index_add(0, i, -fk)", "forces"),
+    "virial missing a factor": ("(f[a] * d[b]).sum()", "(f[a] * d[b]).sum() * 0.5", "virial"),
+    "energy shift dropped": ("(s6 * s6 - s6) * eps4 - ec", "(s6 * s6 - s6) * eps4", "energy"),
+}
+
+
+@pytest.mark.parametrize("bug", FUSED_BUGS)
+def test_negative_control_fused_kernel_bug_is_caught(bug, monkeypatch):
+    old, new, field = FUSED_BUGS[bug]
+    buggy = _plant(lj_kernels._fused, old, new)
+    monkeypatch.setattr(lj_kernels, "_compiled", lambda: buggy)
+    system = make_system("triclinic")
+    pot = make_potential("lj")
+    ref = evaluate(pot, system, analytic=False)
+    pot.kernel = "compile"
+    with pytest.raises(AssertionError, match=f"parity of {field} analytic vs autograd, planted .* fails"):
+        _check_serial(evaluate(pot, system), ref, f"planted {bug}")
+
+
+def test_negative_control_chunked_virial_keeps_only_the_last_chunk(monkeypatch):
+    """The plain kernel's virial assigned per chunk instead of accumulated: caught because the test
+    chunks are small (the one-chunk case would not see it)."""
+    buggy = _plant(lj_kernels.pairs_torch, "virial[q] += torch.dot(", "virial[q] = torch.dot(")
+    monkeypatch.setattr(lj_kernels, "pairs_torch", buggy)
+    monkeypatch.setattr(lj, "pairs_torch", buggy)
+    system = make_system("triclinic")
+    pot = _kernel_potential("torch_chunked", monkeypatch)
+    ref = evaluate(pot, system, analytic=False)
+    with pytest.raises(AssertionError, match="parity of virial analytic vs autograd, planted .* fails"):
+        _check_serial(evaluate(pot, system), ref, "planted last-chunk virial")
 
 
 def _rank_fast(name, grid, plant=None):
