@@ -31,6 +31,7 @@ from twinshard.atoms.potentials.base import Results
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
 from twinshard.comm.ops import sync_params
+from twinshard.tensors.dispatch import lazy_halo
 from twinshard.tensors.placements import HaloPadded, HaloState, ShardSpec
 from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
 
@@ -162,7 +163,8 @@ def block_inputs(sharded: ShardedSystem, positions: torch.Tensor | None = None) 
 def _call(dp: Any, sharded: ShardedSystem, data: dict, **flags: Any) -> dict:
     named = list(dp.module.named_parameters())
     synced = sync_params([p for _, p in named], sharded.group)
-    return functional_call(dp.module, {n: p for (n, _), p in zip(named, synced)}, (data,), flags)
+    with lazy_halo():  # scatters leave the halo STALE: one exchange per layer, as a refresh hook
+        return functional_call(dp.module, {n: p for (n, _), p in zip(named, synced)}, (data,), flags)
 
 
 def _owned(t: torch.Tensor, n: int) -> torch.Tensor:

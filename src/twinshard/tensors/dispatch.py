@@ -22,6 +22,12 @@ all_to_all — so its backward is the exact adjoint, tested with ``adjoint_pair`
     ShardTensor: the contributions are scattered locally, the halo rows' partial
     sums go to their owners (reverse exchange) and the owners' totals come back
     into the halo (forward exchange), so the result keeps the target's state.
+    Inside :func:`lazy_halo` (``DistributedPotential(mode="dispatch")`` runs models
+    there) the forward exchange is left to the next gather: the result is STALE
+    (owned rows complete, halo rows zero), and when no rank's index hits a halo row
+    (agreed by one all-reduce of a flag; a block's edges have owned receivers) the
+    reverse exchange is skipped too, as a refresh hook would: exact, since a STALE
+    halo is refreshed before any gather and dropped by every reduction.
 ``per_system_reduce``
     ``index_add(_)`` / ``scatter_add(_)`` from a per-atom ShardTensor source into
     a buffer that is not per-atom (``(n_systems, F)``, plain or PerSystem): halo
@@ -68,6 +74,7 @@ __all__ = [
     "IndexCall",
     "Registry",
     "fresh",
+    "lazy_halo",
     "parse_index_call",
     "partial_to_replicate",
     "register",
@@ -291,16 +298,46 @@ def _local_scatter(c: IndexCall, zeros: torch.Tensor, index: torch.Tensor, src: 
     return zeros.scatter_add(0, index, src)
 
 
+_LAZY = [0]  # depth of lazy_halo() blocks (ranks are single-threaded; backward runs no handler)
+
+
+@contextlib.contextmanager
+def lazy_halo() -> Iterator[None]:
+    """Inside the block, ``halo_correction`` returns a STALE result without the forward exchange
+    (and without the reverse one when no rank scatters into a halo row); see the module docstring.
+    Outside, the result is FRESH (halo rows hold their owners' totals) for callers that read them."""
+    _LAZY[0] += 1
+    try:
+        yield
+    finally:
+        _LAZY[0] -= 1
+
+
+def _hits_halo(index: torch.Tensor, n_owned: int, group: Any) -> bool:
+    """Collective (one all-reduce of a flag): does any rank's scatter index hit a halo row?"""
+    local = index.numel() > 0 and bool(index.max() >= n_owned)
+    flag = torch.tensor([float(local)], dtype=torch.float64, device=index.device)
+    return bool(prim.all_reduce(flag, group, op="halo_correction_vote")[0] > 0)
+
+
 def _run_correction(func: Any, args: tuple, kwargs: dict) -> Any:
     c = parse_index_call(func, args, kwargs)
     assert c is not None
     base: ShardTensor = c.target
     plan = base.plan
     local = to_local(base)
-    contrib = _local_scatter(c, torch.zeros_like(local), _plain(c.index), to_local(c.source))
+    index = _plain(c.index)
+    contrib = _local_scatter(c, torch.zeros_like(local), index, to_local(c.source))
     n = plan.n_owned
-    own = contrib[:n] + plan.reverse(contrib[n:])  # halo partial sums onto their owners
-    full = from_local(torch.cat([own, plan.forward(own)]), base._spec.with_state(HaloState.FRESH))
+    if _LAZY[0]:
+        if _hits_halo(index, n, base.group):
+            own = contrib[:n] + plan.reverse(contrib[n:])
+            # zero halo rows, not linked to the sources: a STALE halo must not carry gradients
+            contrib = torch.cat([own, own.new_zeros((local.shape[0] - n,) + tuple(own.shape[1:]))])
+        full = from_local(contrib, base._spec.with_state(HaloState.STALE))
+    else:
+        own = contrib[:n] + plan.reverse(contrib[n:])  # halo partial sums onto their owners
+        full = from_local(torch.cat([own, plan.forward(own)]), base._spec.with_state(HaloState.FRESH))
     if c.inplace:
         return base.add_(full)
     return base + full
