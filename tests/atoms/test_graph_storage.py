@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from twinshard.atoms import structures
 from twinshard.atoms.distributed import DistributedPotential
+from twinshard.atoms.driver import MDConfig, potential_from_config
 from twinshard.atoms.graph_storage import GraphSharded, balanced_counts
 from twinshard.atoms.plain_inputs import evaluate_plain, system_inputs
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, mace_native
@@ -320,6 +321,25 @@ def test_validate_graph_storage_cli_json(capsys):
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rep["passed"] and rep["storage"] == "graph" and rep["ranks"] == 3
     assert rep["max_force_error"] <= 1e-9 and rep["energy_rel_error"] <= 1e-10
+
+
+# ---------------------------------------------------------------------- MD
+def test_md_cli_graph_storage_equals_serial(capsys):
+    """``twinshard md --storage graph`` (Langevin, a small skin so the replicated-geometry list is
+    rebuilt mid-run) against the serial engine of ``--check-serial``."""
+    argv = "md random_packing --atoms 40 --potential mpnn --cutoff 4.0 --storage graph --ranks 3 --skin 0.1"
+    argv += " --temperature 300 --steps 12 --thermostat langevin --check-serial --json"
+    assert main(argv.split()) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["storage"] == "graph" and r["ranks"] == 3 and r["atoms_conserved"]
+    assert r["rebuilds"] > 1 and r["owned_atoms_per_rank"] == list(balanced_counts(40, 3))
+    assert r["energy_rel_error"] <= 1e-12 and r["max_stress_error"] <= 1e-10
+    assert r["max_force_error"] <= 1e-10 and r["max_position_error"] <= 1e-9
+
+
+def test_md_graph_storage_refuses_a_graph_contract_potential():
+    with pytest.raises(ValueError, match="--storage graph runs plain-PyTorch models"):
+        potential_from_config(MDConfig(potential="lj", storage="graph"), [18])
 
 
 # ---------------------------------------------------------------------- bad input

@@ -7,7 +7,9 @@ from :class:`~twinshard.atoms.distributed.DistributedPotential`, and the
 integrators of :mod:`twinshard.atoms.md` step each rank's owned atoms;
 ``ShardedSystem.update`` migrates atoms and rebuilds halos when any atom moved
 more than half the skin. Langevin noise is keyed by global atom id, so the
-trajectory equals the serial one for any rank count.
+trajectory equals the serial one for any rank count. ``--storage graph`` uses
+:class:`~twinshard.atoms.graph_storage.GraphSharded` instead (plain models: atoms
+split by index, geometry replicated and re-replicated by one all_gather per step).
 
 ``--check-serial`` makes rank 0 also run the serial potential and trajectory
 (:class:`~twinshard.atoms.md.SerialEngine`, same integrator) from the same
@@ -123,6 +125,7 @@ class MDConfig:
     seed: int = 0
     skin: float = 1.0
     partition: str = "spatial"
+    storage: str = "halo"
     check_serial: bool = False
     thermo_every: int = 10
     thermo: str | None = None
@@ -235,6 +238,12 @@ def potential_from_config(cfg: MDConfig, species: list[int]) -> Any:
         kw["shift"] = cfg.shift
     elif cfg.epsilon is not None or cfg.sigma is not None or cfg.lj or not cfg.shift:
         raise ValueError("--epsilon/--sigma/--lj/--no-shift are options of --potential lj")
+    if cfg.storage == "graph":  # plain-PyTorch models only, through the dispatch
+        if cfg.potential != "mpnn":
+            raise ValueError("--storage graph runs plain-PyTorch models: --potential mpnn or mace")
+        from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
+
+        return PlainMessagePassing(species=species, **kw)  # the same draws as make_potential's mpnn
     return make_potential(cfg.potential, species, **kw)
 
 
@@ -392,9 +401,14 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     species = torch.nonzero(mask).flatten().tolist()
     with agree_step("md: build the potential"):
         potential = potential_from_config(cfg, species).to(dev)  # e.g. the LJ species table
-    sharded = ShardedSystem.scatter(
-        system, 0, cutoff=float(potential.cutoff), skin=cfg.skin, partition=cfg.partition
-    )
+    if cfg.storage == "graph":  # atoms split by index, geometry replicated (atoms.graph_storage)
+        from twinshard.atoms.graph_storage import GraphSharded
+
+        sharded = GraphSharded.scatter(system, 0, cutoff=float(potential.cutoff), skin=cfg.skin)
+    else:
+        sharded = ShardedSystem.scatter(
+            system, 0, cutoff=float(potential.cutoff), skin=cfg.skin, partition=cfg.partition
+        )
     dp = DistributedPotential(potential, mode=potential_mode(potential))  # MACE: through the dispatch
     halo0 = sharded.n_halo
     shell = ghost_shell_estimate(
@@ -404,6 +418,8 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         tuple(getattr(sharded.partition, "grid", (nranks, 1, 1))),
         sharded.cutoff + sharded.skin,
     )
+    if cfg.storage == "graph":
+        shell = None  # no halo: every rank holds the whole geometry
     device = sharded.positions.device
 
     rss = RssWindow().__enter__()  # resident peak: from the first force evaluation to the end of the loop
@@ -478,6 +494,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         "steps": cfg.steps,
         "start_step": start_step,
         "potential": cfg.potential,
+        "storage": cfg.storage,
         "thermostat": cfg.thermostat,
         "structure": cfg.restart or cfg.structure or "fcc_argon",
         "restart": cfg.restart,
@@ -681,6 +698,13 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--skin", type=float, default=1.0, help="Verlet skin in Angstrom")
     p.add_argument("--partition", choices=("spatial", "block"), default="spatial")
+    p.add_argument(
+        "--storage",
+        choices=("halo", "graph"),
+        default="halo",
+        help="halo: spatial domains with halos and migration; graph: atoms split by index into "
+        "balanced blocks, geometry replicated (plain models: --potential mpnn or mace)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--check-serial",
