@@ -134,6 +134,7 @@ def run_md(
     initial_temperature: float | None = None,
     skin: float = 1.0,
     partition: str = "spatial",
+    storage: str = "halo",
     trajectory: str | os.PathLike | None = None,
     trajectory_every: int = 10,
     thermo: str | os.PathLike | None = None,
@@ -165,6 +166,8 @@ def run_md(
             at this temperature (keyed by atom id and ``seed``); otherwise the
             system's velocities (ASE momenta) are kept.
         skin: Verlet skin (A); ``partition``: ``"spatial"`` or ``"block"``.
+        storage: ``"halo"`` (spatial domains with halos) or ``"graph"`` (plain models: atoms split
+            by index, geometry replicated; :mod:`twinshard.atoms.graph_storage`).
         trajectory, trajectory_every: extxyz frames gathered on rank 0.
         thermo, thermo_every: the thermo log file (written by rank 0).
         checkpoint, checkpoint_every, restart: restart files (see :mod:`twinshard.atoms.md`).
@@ -195,6 +198,7 @@ def run_md(
         "seed": int(seed),
         "skin": float(skin),
         "partition": partition,
+        "storage": storage,
         "trajectory": None if trajectory is None else os.fspath(trajectory),
         "trajectory_every": max(1, int(trajectory_every)),
         "thermo": None if thermo is None else os.fspath(thermo),
@@ -248,6 +252,8 @@ def _md_rank(
     with agree_step("run_md: check the inputs"):
         if opts["steps"] < 0:
             raise ValueError(f"steps must be >= 0, got {opts['steps']}")
+        if opts["storage"] not in ("halo", "graph"):
+            raise ValueError(f"storage must be 'halo' or 'graph', got {opts['storage']!r}")
         if rank == 0:
             if opts["restart"]:
                 state = load_checkpoint(opts["restart"])
@@ -268,9 +274,14 @@ def _md_rank(
                     )
     resume = prim.broadcast(resume, 0, None, op="md_setup")
     start_step, heat0 = int(resume[0]), float(resume[1])
-    sharded = ShardedSystem.scatter(
-        mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"], partition=opts["partition"]
-    )
+    if opts["storage"] == "graph":
+        from twinshard.atoms.graph_storage import GraphSharded
+
+        sharded = GraphSharded.scatter(mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"])
+    else:
+        sharded = ShardedSystem.scatter(
+            mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"], partition=opts["partition"]
+        )
     from twinshard.atoms.plain_inputs import potential_mode
 
     dp = DistributedPotential(potential.to(world.device), mode=potential_mode(potential))
