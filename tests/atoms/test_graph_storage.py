@@ -17,7 +17,8 @@ dispatch, against serial; halo storage in the same world for comparison.
   negative atom ids, an edge id out of range on one rank.
 - Negative controls: ``sharded_gather`` / ``per_system_reduce`` disabled raise ``UnhandledAtomOp``
   naming the op; replaced by a local-only version (what a missing communication would compute),
-  the parity check fails with its message.
+  the parity check fails with its message; ``replicated_grads`` disabled (the displacement's
+  per-rank partial gradients never all-reduced), the stress parity fails.
 """
 
 import json
@@ -132,7 +133,11 @@ def _rank_mpnn(nranks, plant=None, halo=True):
         sh = ShardedSystem.scatter(system, cutoff=model.cutoff, skin=SKIN, **HALO[nranks])
         out["halo"] = _results(sh, dp.compute(sh))
     g = GraphSharded.scatter(system, cutoff=model.cutoff, skin=SKIN)
-    with _local_only(plant) if plant else D.REGISTRY.disabled():
+    if plant == "replicated_grads":  # the displacement's partial gradients never all-reduced
+        ctx = D.REGISTRY.disabled(plant)
+    else:
+        ctx = _local_only(plant) if plant else D.REGISTRY.disabled()
+    with ctx:
         out["graph"] = _results(g, dp.compute(g))
         x = g.positions.detach().requires_grad_(True)
         per_atom = dp.per_atom_energies(g, x)
@@ -421,10 +426,13 @@ def test_disabled_handler_raises_naming_the_op(name, op):
         assert op in msg, msg
 
 
-@pytest.mark.parametrize("plant,what", [("sharded_gather", "forces"), ("per_system_reduce", "energy")])
+@pytest.mark.parametrize(
+    "plant,what",
+    [("sharded_gather", "forces"), ("per_system_reduce", "energy"), ("replicated_grads", "stress")],
+)
 def test_negative_control_local_only_handler_fails_parity(serial_mpnn, plant, what):
     system, ref, _, _ = serial_mpnn
     res = [r["graph"] for r in run_on_world(_rank_mpnn, 2, 2, plant, False)]
-    actual = res[0]["energy"] if what == "energy" else _by_id(res, what, system)
+    actual = res[0][what] if what in ("energy", "stress") else _by_id(res, what, system)
     with pytest.raises(AssertionError, match=f"parity of {what} with {plant} local-only .* fails"):
         assert_parity(actual, getattr(ref, what), what=f"{what} with {plant} local-only", grid="2")
