@@ -292,7 +292,8 @@ def adapt(
 
     ``inputs`` maps argument names of the op's schema to an input move (undeclared: ``AS_IS``);
     ``outputs`` lists one output move per return (default: ``AS_IS`` each). Only functional ops
-    (``mutates_args=()``) can be adapted. Raises ``ValueError`` for unknown names or moves."""
+    (``mutates_args=()``) can be adapted. Raises ``ValueError`` for unknown names or moves. No
+    collective: declarations are per process; declare the same ones on every rank (at import)."""
     ov = _overload(op)
     schema = ov._schema
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
