@@ -39,6 +39,9 @@ every edge's contribution to the owner, so ``-dE/dx`` is complete on the owned r
 reduction). Stress: the model's displacement ``[S, 3, 3]`` is a plain replicated input; its
 gradient is a per-rank partial sum, all-reduced once by the ``replicated_grads`` handler.
 
+The batch helpers (validation, header, the split back into Systems) are in
+:mod:`twinshard.atoms.graph_batch`.
+
 Memory per rank: positions ``N x 3`` (replicated), owned per-atom rows ``N / P``, the edges of owned
 receivers and the autograd graph of those edges and rows, plus the gathered sender rows per layer.
 """
@@ -46,7 +49,6 @@ receivers and the autograd graph of those edges and rows, plus the gathered send
 from __future__ import annotations
 
 import math
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,9 +56,18 @@ import torch
 import torch.distributed as dist
 
 from twinshard.atoms.distributed import DistributedResults
+from twinshard.atoms.graph_batch import (
+    FIELDS,
+    as_batch,
+    balanced_counts,
+    batch_header,
+    broadcast_header,
+    fingerprint,
+    split_systems,
+)
 from twinshard.atoms.neighbors import neighbor_list
 from twinshard.atoms.plain_inputs import _call
-from twinshard.atoms.sharded import _a2a, _as_system, _check_ids
+from twinshard.atoms.sharded import _a2a
 from twinshard.atoms.system import System
 from twinshard.comm import primitives as prim
 from twinshard.runtime import agree_step, require_world
@@ -71,13 +82,6 @@ __all__ = [
     "graph_energies",
     "graph_inputs",
 ]
-
-_FIELDS = ("numbers", "ids", "masses", "velocities")  # per-atom, sharded (positions: replicated)
-
-
-def balanced_counts(n: int, nranks: int) -> tuple[int, ...]:
-    """Rows per rank of ``n`` rows in ``nranks`` contiguous blocks differing by at most one."""
-    return tuple(n // nranks + (1 if r < n % nranks else 0) for r in range(nranks))
 
 
 @dataclass(frozen=True)
@@ -94,38 +98,6 @@ class OwnedFirst(Owned):
 
     def __repr__(self) -> str:
         return f"OwnedFirst(counts={list(self.counts or ())})"
-
-
-def _as_batch(source: Any, dtype: torch.dtype | None) -> list[System]:
-    items = list(source) if isinstance(source, (list, tuple)) else [source]
-    if not items:
-        raise ValueError("graph storage: an empty batch (give a System or a non-empty list of them)")
-    systems = [_as_system(s, dtype) for s in items]
-    dtypes = {s.dtype for s in systems}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"graph storage: the systems of a batch have different dtypes {sorted(map(str, dtypes))}"
-        )
-    for s in systems:
-        _check_ids(s.ids)
-    return systems
-
-
-def _fingerprint(systems: list[System]) -> torch.Tensor:
-    """Numbers every rank can compare to tell whether they hold the same batch."""
-    rows: list[float] = [float(len(systems))]
-    for s in systems:
-        k = torch.arange(1, s.n_atoms + 1, dtype=torch.float64)
-        x = s.positions.detach().to(torch.float64)
-        rows += [
-            float(s.n_atoms),
-            float((x.sum(1) * k).sum()),
-            float((s.numbers.to(torch.float64) * k).sum()),
-            float((s.ids.to(torch.float64) * k).sum()),
-            float(s.cell.to(torch.float64).sum()),
-            float(s.pbc.to(torch.float64) @ torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)),
-        ]
-    return torch.tensor(rows, dtype=torch.float64)
 
 
 class GraphSharded:
@@ -202,7 +174,7 @@ class GraphSharded:
         systems: list[System] | None = None
         with agree_step("graph storage: read and validate the batch", group):
             if src is None or me == src:
-                systems = _as_batch(source, dtype)
+                systems = as_batch(source, dtype)
             elif source is not None:
                 raise ValueError(
                     f"graph storage: rank {me} passed a batch but only rank {src} holds it (the others "
@@ -210,7 +182,7 @@ class GraphSharded:
                 )
         if src is None:
             assert systems is not None
-            fp = _fingerprint(systems).to(dev)
+            fp = fingerprint(systems).to(dev)
             sizes = prim.all_gather(torch.tensor([fp.numel()], device=dev), 0, group, op="scatter")
             same = bool((sizes == sizes[0]).all())
             if same:
@@ -221,18 +193,9 @@ class GraphSharded:
                     "graph storage: with src=None every rank must hold the same batch, but the ranks "
                     "disagree (sizes, positions, numbers, ids or cells differ); scatter from one rank"
                 )
-            header = _header(systems)
+            header = batch_header(systems)
         else:
-            payload = pickle.dumps(_header(systems)) if me == src else b""
-            n = prim.broadcast(
-                torch.tensor([len(payload)], dtype=torch.int64, device=dev), src, group, op="scatter"
-            )
-            raw = (
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
-                if me == src
-                else torch.zeros(int(n[0]), dtype=torch.uint8, device=dev)
-            )
-            header = pickle.loads(prim.broadcast(raw, src, group, op="scatter").cpu().numpy().tobytes())
+            header = broadcast_header(batch_header(systems) if me == src else None, src, group, dev)
         self.sizes, self.info = header["sizes"], header["info"]
         self.cells, self.pbcs = header["cells"].to(dev), header["pbcs"]
         ftype = header["dtype"]
@@ -240,11 +203,11 @@ class GraphSharded:
         self.counts_ = balanced_counts(n_total, nranks)
         lo, hi = self.offsets[me], self.offsets[me + 1]
         if systems is not None:
-            whole = {k: torch.cat([getattr(s, k) for s in systems]).to(dev) for k in ("positions",) + _FIELDS}
+            whole = {k: torch.cat([getattr(s, k) for s in systems]).to(dev) for k in ("positions",) + FIELDS}
         if src is None:
             assert systems is not None
             self.all_positions = whole["positions"].contiguous()
-            fields = {k: whole[k][lo:hi].contiguous() for k in _FIELDS}
+            fields = {k: whole[k][lo:hi].contiguous() for k in FIELDS}
         else:
             pos = (
                 whole["positions"].contiguous()
@@ -259,7 +222,7 @@ class GraphSharded:
             for k, (dt, tail) in header["schema"].items():
                 t = whole[k] if me == src else torch.zeros((0,) + tail, dtype=dt, device=dev)
                 fields[k] = _a2a(t, send, recv, group, "scatter")
-        for k in _FIELDS:
+        for k in FIELDS:
             setattr(self, k, fields[k])
         starts = torch.tensor([0] + self.sizes, dtype=torch.int64).cumsum(0)
         self.batch = (torch.searchsorted(starts[1:], torch.arange(lo, hi), right=True)).to(dev)
@@ -393,26 +356,10 @@ class GraphSharded:
     def gather_systems(self, dst: int = 0) -> list[System] | None:
         """Collective: the batch back on ``dst`` (each system's atoms in the caller's order)."""
         self._replicate()
-        got = {k: self.gather_rows(getattr(self, k), dst) for k in _FIELDS}
+        got = {k: self.gather_rows(getattr(self, k), dst) for k in FIELDS}
         if self.rank != dst:
             return None
-        out, start = [], 0
-        for s, size in enumerate(self.sizes):
-            cut = slice(start, start + size)
-            out.append(
-                System(
-                    positions=self.all_positions[cut].clone(),
-                    numbers=got["numbers"][cut],
-                    cell=self.cells[s].clone(),
-                    pbc=self.pbcs[s].clone(),
-                    masses=got["masses"][cut],
-                    velocities=got["velocities"][cut],
-                    ids=got["ids"][cut],
-                    info=dict(self.info) if self.n_systems == 1 else {},
-                )
-            )
-            start += size
-        return out
+        return split_systems(self.sizes, self.cells, self.pbcs, self.all_positions, got, self.info)
 
     def gather(self, dst: int = 0) -> System | None:
         """Collective: a single system on ``dst``, atoms ordered by id (as
@@ -440,19 +387,6 @@ class GraphSharded:
             f"GraphSharded(rank={self.rank}/{self.nranks}, owned={self.n_owned}, total={self.n_total}, "
             f"systems={self.n_systems}, edges={int(self.senders.shape[0])}, builds={self.builds})"
         )
-
-
-def _header(systems: list[System]) -> dict[str, Any]:
-    return {
-        "sizes": [s.n_atoms for s in systems],
-        "cells": torch.stack([s.cell.detach() for s in systems]),
-        "pbcs": torch.stack([torch.as_tensor(s.pbc, dtype=torch.bool).reshape(3) for s in systems]),
-        "dtype": systems[0].dtype,
-        "schema": {
-            k: (getattr(systems[0], k).dtype, tuple(getattr(systems[0], k).shape[1:])) for k in _FIELDS
-        },
-        "info": dict(systems[0].info) if len(systems) == 1 else {},
-    }
 
 
 # ----------------------------------------------------------------------------- evaluation
