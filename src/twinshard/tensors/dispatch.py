@@ -61,12 +61,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten
 
 from twinshard.comm import ops
 from twinshard.comm import primitives as prim
 from twinshard.tensors.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
+from twinshard.tensors.shard_tensor import ShardTensor, _leaves, from_local, to_local
 
 __all__ = [
     "REGISTRY",
@@ -119,7 +118,7 @@ class Registry:
     def match(self, func: Any, args: tuple, kwargs: dict) -> Handler | None:
         # rows that are not atoms (a row-wise view [n * a, b], ShardSpec.row_block > 1): no handler
         # applies; the default path raises for an op over the atom dimension
-        for a in tree_flatten((args, kwargs))[0]:
+        for a in _leaves((args, kwargs)):
             if isinstance(a, ShardTensor) and a._spec.row_block != 1:
                 return None
         for h in self._handlers:
