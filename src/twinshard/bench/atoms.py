@@ -29,6 +29,17 @@ every P; ``--weak`` keeps ``--atoms`` per rank (weak scaling: the serial twin
 then runs at every size). For the message-passing model the P=1 ratio
 ``time_ratio_to_serial_P1`` is the overhead twinshard adds over the plain model.
 Times are from a shared CPU machine: compare ratios, not absolute seconds.
+
+``--potential mace [--model FILE]``: MACE (mace-torch, unmodified, through the ShardTensor
+dispatch) on fcc argon (default 2,048 atoms) whose atoms get the model's species in a seeded
+random order; without ``--model`` the small random-weight MACE of ``build_mace`` (nothing is
+downloaded), with it a model saved by mace-torch (``load_mace``). MD and evaluation modes as
+above.
+
+``--mode overhead`` (:mod:`twinshard.bench.atoms_overhead`): the message-passing model through
+refresh hooks, the same model in plain PyTorch through the dispatch, and at P = 1 the plain
+model run plainly, side by side with the same weights: the dispatch overhead and what
+twinshard adds at P = 1.
 """
 
 from __future__ import annotations
