@@ -369,18 +369,7 @@ class GraphSharded:
         got = self.gather_systems(dst)
         if got is None:
             return None
-        s = got[0]
-        order = torch.argsort(s.ids)
-        return System(
-            positions=s.positions[order],
-            numbers=s.numbers[order],
-            cell=s.cell,
-            pbc=s.pbc,
-            masses=s.masses[order],
-            velocities=s.velocities[order],
-            ids=s.ids[order],
-            info=s.info,
-        )
+        return got[0].select(torch.argsort(got[0].ids))
 
     def __repr__(self) -> str:
         return (

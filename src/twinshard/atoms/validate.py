@@ -183,25 +183,16 @@ def validate_rank(cfg: ValidateConfig, species: list[int]) -> dict[str, Any]:
     if cfg.storage == "graph":  # gathers there index other ranks' rows: compared by their outputs only
         from twinshard.atoms.graph_storage import GraphSharded
 
-        g = GraphSharded.scatter(system, cutoff=float(model.cutoff), skin=cfg.skin)
-        holder[0] = g.n_owned
-        with cfg.setup() if cfg.setup is not None else contextlib.nullcontext():
-            res = DistributedPotential(traced, mode="dispatch").compute(g)
-        return {
-            "ids": g.ids,
-            "energy": res.energy,
-            "forces": res.forces,
-            "stress": res.stress,
-            "trace": traced.calls,
-        }
-    sh = ShardedSystem.scatter(system, cutoff=float(model.cutoff), skin=cfg.skin)
-    holder[0] = sh.n_owned
-    assert sh.plan is not None
-    traced.row_ids = torch.cat([sh.ids, sh.plan.halo_ids.to(sh.ids.device)])
+        store: Any = GraphSharded.scatter(system, cutoff=float(model.cutoff), skin=cfg.skin)
+    else:
+        store = ShardedSystem.scatter(system, cutoff=float(model.cutoff), skin=cfg.skin)
+        assert store.plan is not None
+        traced.row_ids = torch.cat([store.ids, store.plan.halo_ids.to(store.ids.device)])
+    holder[0] = store.n_owned
     with cfg.setup() if cfg.setup is not None else contextlib.nullcontext():
-        res = DistributedPotential(traced, mode="dispatch").compute(sh)
+        res = DistributedPotential(traced, mode="dispatch").compute(store)
     return {
-        "ids": sh.ids,
+        "ids": store.ids,
         "energy": res.energy,
         "forces": res.forces,
         "stress": res.stress,
