@@ -14,11 +14,13 @@ Two evaluations of the same function:
   virial by autograd (the reference: the oracle, parameter gradients, training);
 - :meth:`LennardJones.analytic`: the fast path. Each pair once (a half list),
   energy, per-atom energies, forces and virial in closed form in one pass, no
-  autograd graph. ``kernel="torch"`` is plain vectorised PyTorch written as a
-  chain of in-place operations (few ``[E]`` temporaries, no ``[E, 3, 3]``),
-  ``kernel="compile"`` runs the per-pair arithmetic through ``torch.compile``
-  (C++ on CPU, Triton on GPU; compiled once per process, dynamic edge count).
-  Both are tested against each other and against the autograd path.
+  autograd graph. The kernels live in :mod:`~twinshard.atoms.potentials.lj_kernels`:
+  ``kernel="torch"`` (default) is plain PyTorch, structure-of-arrays and chunked so
+  its temporaries stay in cache; ``kernel="compile"`` is one ``torch.compile`` graph
+  that fuses gathers, arithmetic, virial and scatters (C++ on CPU, Triton on GPU;
+  compiled once per process, dynamic sizes); ``kernel="auto"`` compiles for large
+  lists when a compiler is present. All are tested against each other and against
+  the autograd path.
 """
 
 from __future__ import annotations

@@ -4,19 +4,25 @@ Both kernels take a half list (each pair once, ``r_ij = x[j] + shift - x[i]``) a
 per-atom energies ``[n]``, forces ``[n, 3]`` and the virial ``[3, 3]`` (or None) in one pass,
 without autograd:
 
-- :func:`pairs_torch` (``kernel="torch"``): plain PyTorch in structure-of-arrays form. The
-  three cartesian components are separate ``[E]`` vectors, because on CPU every op on an
-  ``[E, 3]`` tensor is several times slower than three ops on ``[E]`` (a reduction over a
-  dimension of 3, a broadcast ``[E] x [E, 3]`` and a 2-D ``index_add_`` all leave the fast
-  contiguous loops: 20 ms for one ``[E, 3]`` ``index_add_`` against 3 x 2.4 ms at
-  E = 1.4M). Gathers and scatters are 1-D ``index_select`` / ``index_add_``; the virial is
-  six dot products.
+- :func:`pairs_torch` (``kernel="torch"``): plain PyTorch in structure-of-arrays form, the
+  pairs in chunks. The three cartesian components are separate vectors, because on CPU an
+  op on an ``[E, 3]`` tensor is several times slower than three ops on ``[E]`` (a reduction
+  over a dimension of 3, a broadcast ``[E] x [E, 3]`` and a 2-D ``index_add_`` leave the
+  fast contiguous loops: 20 ms for one ``[E, 3]`` ``index_add_`` against 3 x 2.4 ms at
+  E = 1.4M). Chunks of :data:`CHUNK` pairs keep the ~12 temporaries in L2 (the unchunked
+  chain streams each of them through memory: 2x slower) and the peak memory at a few MB.
+  Gathers and scatters are 1-D ``index_select`` / ``index_add_``; the virial is six dot
+  products per chunk. On a GPU the whole list is one chunk.
 - :func:`pairs_compiled` (``kernel="compile"``): the same arithmetic as one
   ``torch.compile`` graph. Inductor fuses the position gathers, the species-table gathers,
   the pair arithmetic, the virial reduction and the scatters into one C++ kernel on CPU
-  (Triton on GPU): no ``[E]`` temporaries. Compiled once per process with dynamic shapes
-  (one graph serves every edge and atom count); inductor's on-disk FX graph cache makes a
-  later process's compile cheap.
+  (Triton on GPU) of three passes over the pairs, with five ``[E]`` buffers between them
+  (40 bytes per pair in fp64). Compiled once per process with dynamic shapes (one graph
+  serves every edge and atom count; the open-block form without shifts is a second graph).
+  Inductor's on-disk cache shortens a later process's compile (cold ~20-50 s, warm ~5-10 s
+  on the 2-core development machine; most of the warm cost is importing the compiler).
+  Inductor compiles with fast-math flags and, on several threads, scatters with atomic
+  adds in a varying order: results agree with the plain kernel to round-off, not bitwise.
 
 ``kernel="auto"`` (:func:`resolve_kernel`) takes the compiled kernel when a compile can
 repay itself: a C++ compiler is found (or the tensors are on a GPU) and the list has at
@@ -35,9 +41,10 @@ __all__ = ["KERNELS", "AUTO_MIN_EDGES", "PairResults", "pairs_torch", "pairs_com
 
 KERNELS = ("torch", "compile", "auto")
 
-# Below this many pairs "auto" stays with plain PyTorch: the fused kernel saves ~0.03 us per pair
-# on one CPU thread, so a small list would need millions of evaluations to repay a cold compile.
-AUTO_MIN_EDGES = 200_000
+# Below this many pairs "auto" stays with plain PyTorch: on one CPU thread the fused kernel saves
+# ~30 ns per pair and evaluation, so at 1M pairs (~23k argon atoms) a warm compile (~10 s) is repaid
+# after ~300 evaluations (an MD run), and a smaller list would need thousands.
+AUTO_MIN_EDGES = 1_000_000
 
 # Pairs per chunk of the plain kernel on CPU: its ~10 [chunk] temporaries (256 KiB each in fp64)
 # stay in L2, which halves the time of the unchunked chain at 1.4M pairs; more Python overhead below.
@@ -82,7 +89,7 @@ def pairs_torch(
     chunk: int | None = None,
 ) -> PairResults:
     """Plain-PyTorch kernel, the pairs in chunks of ``chunk`` (default :data:`CHUNK` on CPU, all at
-    once on a GPU). Arguments as :func:`pairs_compiled`. Peak: ~10 ``[chunk]`` temporaries."""
+    once on a GPU). Arguments as :func:`pairs_compiled`. Peak: ~12 ``[chunk]`` temporaries."""
     n, dtype, device = x.shape[0], x.dtype, x.device
     n_edges = i.shape[0]
     if chunk is None:
@@ -90,7 +97,7 @@ def pairs_torch(
     ns = table.shape[1]
     scalars = [float(t) for t in table.flatten()] if ns == 1 else None  # one species: no gathers
     flat = table.flatten(1)
-    cols = [x[:, k] for k in range(3)]
+    cols = x.t().contiguous()  # [3, n]: a gather from a strided column would copy it each time
     per_atom = torch.zeros(n, dtype=dtype, device=device)
     forces = torch.zeros(3, n, dtype=dtype, device=device)
     virial = torch.zeros(6, dtype=dtype, device=device)
@@ -110,8 +117,9 @@ def pairs_torch(
             d.append(dk)
         inv = d[0] * d[0]
         inv.addcmul_(d[1], d[1]).addcmul_(d[2], d[2])  # r^2
-        inside = inv < rc2
-        inv.reciprocal_().mul_(inside)  # 1 / r^2 inside the cutoff, 0 outside (no inf reaches a product)
+        # 1.0 inside the cutoff, 0.0 beyond, in the float dtype (4x cheaper than a bool mask in a product)
+        inside = torch.lt(inv, rc2, out=torch.empty_like(inv))
+        inv.reciprocal_().mul_(inside)  # 1 / r^2 inside the cutoff, 0 beyond (no inf reaches a product)
         s6 = inv * sig2
         s6.pow_(3)  # (sigma / r)^6
         w = s6 * s6  # (sigma / r)^12
@@ -189,7 +197,7 @@ def pairs_compiled(
     compute_virial: bool = True,
 ) -> PairResults:
     """Compiled kernel: ``sp [n]`` the species row of each atom, ``table [3, ns, ns]`` (sigma^2,
-    4 eps, energy shift). Peak: the outputs only (``[n, 5]`` and a few scalars)."""
+    4 eps, energy shift). Peak: five ``[E]`` buffers and the outputs."""
     from torch.fx.experimental import _config as config
 
     rc2_t = torch.tensor(rc2, dtype=x.dtype, device=x.device)  # a tensor: a new cutoff does not recompile
