@@ -382,6 +382,11 @@ def _rank_bad(case):
             s = make_system()
             s.ids[3] = -4
             GraphSharded.scatter(s if me == 0 else None, cutoff=model.cutoff)
+        elif case == "species":  # an atomic number the model has no parameters for, on rank 2's block only
+            s = make_system()
+            s.numbers[-1] = 29
+            g = GraphSharded.scatter(s if me == 0 else None, cutoff=model.cutoff, skin=SKIN)
+            DistributedPotential(model, mode="dispatch").compute(g)
         elif case == "edge":  # a sender id beyond the system on rank 1 only
             g = GraphSharded.scatter(make_system() if me == 0 else None, cutoff=model.cutoff, skin=SKIN)
             if me == 1:
@@ -399,6 +404,7 @@ def _rank_bad(case):
         ("not_src", "only rank 0 holds it"),
         ("ids", "ids must be non-negative"),
         ("edge", "out of range"),
+        ("species", "no parameters for some atomic numbers"),
     ],
 )
 def test_bad_input_raises_on_every_rank(case, msg):

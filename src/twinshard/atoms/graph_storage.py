@@ -321,7 +321,8 @@ class GraphSharded:
         """Collective: re-replicate the positions (one all_gather of the owned rows) and rebuild
         the neighbour list if any atom moved more than ``skin / 2`` since the last build (the
         decision is taken from replicated data: the same on every rank). Raises ValueError on every
-        rank if a position is NaN/inf. Returns whether it rebuilt."""
+        rank if a position is NaN/inf. Returns whether it rebuilt. Memory: the ``N x 3`` replicated
+        positions and the owned receivers' edges."""
         self._replicate()
         x = self.all_positions
         if not bool(torch.isfinite(x).all()):
@@ -341,12 +342,13 @@ class GraphSharded:
             self._stale = False
 
     def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """Collective (one all_gather): per-atom owned rows -> all N rows, global order, every rank."""
+        """Collective (one all_gather, not differentiable): per-atom owned rows -> all N rows in
+        global order on every rank (memory: N rows per rank)."""
         return prim.all_gather(t.contiguous(), 0, self.group, list(self.counts_), op="gather")
 
     def gather_rows(self, t: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
-        """Collective: per-atom owned rows -> all N rows in the caller's order on ``dst``, None
-        elsewhere (one all_to_all)."""
+        """Collective (one all_to_all, not differentiable): per-atom owned rows -> all N rows in
+        the caller's order on ``dst`` (N rows there), None elsewhere."""
         send = [0] * self.nranks
         send[dst] = int(t.shape[0])
         recv = list(self.counts_) if self.rank == dst else [0] * self.nranks
@@ -354,7 +356,8 @@ class GraphSharded:
         return out if self.rank == dst else None
 
     def gather_systems(self, dst: int = 0) -> list[System] | None:
-        """Collective: the batch back on ``dst`` (each system's atoms in the caller's order)."""
+        """Collective (one all_to_all per per-atom field): the batch back on ``dst`` (each
+        system's atoms in the caller's order; the whole batch held there), None elsewhere."""
         self._replicate()
         got = {k: self.gather_rows(getattr(self, k), dst) for k in FIELDS}
         if self.rank != dst:
