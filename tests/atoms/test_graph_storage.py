@@ -31,7 +31,7 @@ from twinshard.atoms import structures
 from twinshard.atoms.api import run_md
 from twinshard.atoms.distributed import DistributedPotential
 from twinshard.atoms.driver import MDConfig, potential_from_config
-from twinshard.atoms.graph_storage import GraphSharded, balanced_counts
+from twinshard.atoms.graph_storage import GraphSharded, OwnedFirst, balanced_counts
 from twinshard.atoms.md import SerialEngine, VelocityVerlet, maxwell_boltzmann, simulate
 from twinshard.atoms.plain_inputs import evaluate_plain, system_inputs
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, mace_native
@@ -207,6 +207,15 @@ def test_plain_mpnn_halo_and_graph_storage_equal_serial(serial_mpnn, nranks):
     assert_grads_finite_nonzero(gs[0]["grad_params"], f"graph P={nranks}")
     for n, g in grad_params.items():
         assert_parity(gs[0]["grad_params"][n], g, grid=gid, what=f"d<g, per-atom E>/d{n} graph P={nranks}")
+
+
+def test_rank_relative_ids():
+    """OwnedFirst: on rank 1 of blocks (3, 2, 4) ids 0..1 are its own rows (global 3, 4), the others
+    wrap around; PAD and ids out of range are left for the dispatch (zero row / error)."""
+    ids = torch.tensor([0, 1, 2, 5, 8, 9, -1, -3, 12])
+    got = OwnedFirst((3, 2, 4)).to_global(ids, 1)
+    assert got.tolist() == [3, 4, 5, 8, 2, 9, -1, -3, 12]
+    assert balanced_counts(10, 4) == (3, 3, 2, 2) and balanced_counts(3, 4) == (1, 1, 1, 0)
 
 
 # ---------------------------------------------------------------------- a batch of systems

@@ -71,7 +71,7 @@ from twinshard.atoms.sharded import _a2a
 from twinshard.atoms.system import System
 from twinshard.comm import primitives as prim
 from twinshard.runtime import agree_step, require_world
-from twinshard.tensors.placements import PAD, Owned, ShardSpec
+from twinshard.tensors.placements import Owned, ShardSpec
 from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
 
 __all__ = [
@@ -87,14 +87,14 @@ __all__ = [
 @dataclass(frozen=True)
 class OwnedFirst(Owned):
     """``Owned(counts)`` addressed from the rank: on rank ``r`` id ``i`` names global row
-    ``(i + offsets[r]) mod N``, so a rank's own rows are ids ``0..n_r - 1`` (``PAD`` stays PAD;
-    ids outside ``[0, N)`` stay out of range and raise in the dispatch)."""
+    ``(i + offsets[r]) mod N``, so a rank's own rows are ids ``0..n_r - 1`` (ids outside ``[0, N)``
+    are left as they are: ``PAD`` stays PAD, any other raises in the dispatch on every rank)."""
 
     def to_global(self, ids: torch.Tensor, rank: int) -> torch.Tensor:
         off = self.offsets
         n = off[-1]
         ok = (ids >= 0) & (ids < n)
-        return torch.where(ok, (ids + off[rank]) % max(n, 1), torch.where(ids == PAD, ids, ids + n))
+        return torch.where(ok, (ids + off[rank]) % max(n, 1), ids)
 
     def __repr__(self) -> str:
         return f"OwnedFirst(counts={list(self.counts or ())})"
