@@ -88,6 +88,10 @@ def _go(ids):
     return normal(5, 1, ids.to(torch.int64))
 
 
+def _go_forces(ids):
+    return normal(6, 2, ids[:, None].to(torch.int64), torch.arange(3)[None, :])
+
+
 # ---------------------------------------------------------------------- planted local-only handlers
 def _local_only(name):
     """The handler ``name`` replaced by the op on local rows (no communication)."""
@@ -143,6 +147,12 @@ def _rank_mpnn(nranks, plant=None, halo=True):
         per_atom = dp.per_atom_energies(g, x)
         params = list(model.parameters())
         grads = torch.autograd.grad(per_atom, [x, *params], _go(g.ids).to(per_atom.dtype))
+    if nranks == 2 and plant is None:  # a force loss: double backward through the dispatch (training)
+        r2 = dp.compute(g, compute_stress=False, create_graph=True)
+        g2 = torch.autograd.grad((_go_forces(g.ids) * r2.forces).sum(), params, allow_unused=True)
+        out["graph"]["force_loss"] = {
+            n: (torch.zeros_like(p) if gr is None else gr) for (n, p), gr in zip(model.named_parameters(), g2)
+        }
     out["graph"].update(
         counts=g.counts(),
         edges=int(g.senders.shape[0]),
@@ -162,7 +172,11 @@ def _serial_mpnn():
     params = list(model.parameters())
     grads = torch.autograd.grad(per_atom, [x, *params], _go(system.ids))
     names = [n for n, _ in model.named_parameters()]
-    return system, ref, grads[0], dict(zip(names, grads[1:]))
+    data["positions"] = system.positions.detach().clone().requires_grad_(True)
+    f = model(data, compute_forces=True, training=True)["forces"]
+    g2 = torch.autograd.grad((_go_forces(system.ids) * f).sum(), params, allow_unused=True)
+    force_loss = {n: (torch.zeros_like(p) if g is None else g) for n, p, g in zip(names, params, g2)}
+    return system, ref, grads[0], dict(zip(names, grads[1:])), force_loss
 
 
 def _by_id(results, key, system):
@@ -181,7 +195,7 @@ def serial_mpnn():
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4])
 def test_plain_mpnn_halo_and_graph_storage_equal_serial(serial_mpnn, nranks):
-    system, ref, grad_x, grad_params = serial_mpnn
+    system, ref, grad_x, grad_params, force_loss = serial_mpnn
     res = run_on_world(_rank_mpnn, nranks, nranks)
     gid = str(nranks)
     assert float(ref.forces.abs().max()) > 1e-3 and float(ref.stress.abs().max()) > 0
@@ -207,6 +221,10 @@ def test_plain_mpnn_halo_and_graph_storage_equal_serial(serial_mpnn, nranks):
     assert_grads_finite_nonzero(gs[0]["grad_params"], f"graph P={nranks}")
     for n, g in grad_params.items():
         assert_parity(gs[0]["grad_params"][n], g, grid=gid, what=f"d<g, per-atom E>/d{n} graph P={nranks}")
+    if nranks == 2:
+        assert_replicated([r["force_loss"] for r in gs], "force-loss gradients graph P=2")
+        for n, g in force_loss.items():
+            assert_parity(gs[0]["force_loss"][n], g, grid=gid, what=f"d<g, F>/d{n} graph P=2")
 
 
 def test_rank_relative_ids():
@@ -298,7 +316,7 @@ def _rank_mace(nranks):
         batch = [make_system(MACE_SPECIES), make_open(MACE_SPECIES)]
         gb = GraphSharded.scatter(batch if me == 0 else None, cutoff=float(model.r_max), skin=SKIN)
         rb = dp.compute(gb)
-        out["batch"] = {"energies": rb.energy, "forces": rb.forces}
+        out["batch"] = {"energies": rb.energy, "forces": rb.forces, "stresses": rb.stress}
     return out
 
 
@@ -329,6 +347,10 @@ def test_mace_unmodified_through_graph_storage(nranks):
             w = f"MACE batch system {k} P=4"
             assert_parity(res[0]["batch"]["energies"][k], rk["energy"][0], grid=gid, what=f"energy {w}")
             assert_parity(forces[k], rk["forces"], grid=gid, what=f"forces {w}")
+        assert_parity(
+            res[0]["batch"]["stresses"][0], ref["stress"], grid=gid, what="stress MACE batch system 0 P=4"
+        )
+        assert bool(torch.isnan(res[0]["batch"]["stresses"][1]).all())  # the open cluster: no volume
 
 
 # ---------------------------------------------------------------------- validate
@@ -446,7 +468,7 @@ def test_disabled_handler_raises_naming_the_op(name, op):
     [("sharded_gather", "forces"), ("per_system_reduce", "energy"), ("replicated_grads", "stress")],
 )
 def test_negative_control_local_only_handler_fails_parity(serial_mpnn, plant, what):
-    system, ref, _, _ = serial_mpnn
+    system, ref = serial_mpnn[:2]
     res = [r["graph"] for r in run_on_world(_rank_mpnn, 2, 2, plant, False)]
     actual = res[0][what] if what in ("energy", "stress") else _by_id(res, what, system)
     with pytest.raises(AssertionError, match=f"parity of {what} with {plant} local-only .* fails"):

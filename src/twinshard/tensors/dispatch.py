@@ -62,7 +62,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from twinshard.comm import ops
 from twinshard.comm import primitives as prim
 from twinshard.tensors.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec
 from twinshard.tensors.shard_tensor import ShardTensor, _leaves, from_local, to_local
@@ -460,6 +459,20 @@ def _layout(x: ShardTensor) -> tuple[list[int], int, int]:
     return offsets, me, len(pl.counts)  # type: ignore[arg-type]
 
 
+class _RowsAllToAll(torch.autograd.Function):
+    """Uneven all-to-all of rows; backward: the reverse all-to-all, itself differentiable (a double
+    backward, e.g. a force loss, differentiates through it again)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return prim.all_to_all(x.contiguous(), send, recv, group, op="sharded_storage:rows")
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _RowsAllToAll.apply(g.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
+
+
 def _global_ids(x: ShardTensor, ids: torch.Tensor, me: int) -> torch.Tensor:
     """Global row ids of an index: a placement may address rows relative to the rank (its
     ``to_global``, e.g. the graph storage's, whose owned rows are ids ``0..n-1``)."""
@@ -515,7 +528,7 @@ def _run_sharded_gather(func: Any, args: tuple, kwargs: dict) -> Any:
     dev = x._local.device
     wanted = prim.all_to_all(uniq.to(dev), s, r, x.group, op="sharded_gather")  # ids others need
     rows = to_local(x).index_select(0, wanted - offsets[me])
-    got = ops.all_to_all(rows, r, s, x.group) if nranks > 1 else rows  # rows back, in uniq order
+    got = _RowsAllToAll.apply(rows, r, s, x.group) if nranks > 1 else rows  # rows back, in uniq order
     padded = torch.cat([got, got.new_zeros((1,) + tuple(got.shape[1:]))])
     pos = torch.full((flat.numel(),), uniq.numel(), dtype=torch.int64, device=dev)
     pos[valid] = inverse
@@ -548,7 +561,7 @@ def _run_sharded_scatter(func: Any, args: tuple, kwargs: dict) -> Any:
     vals = src.index_select(0, keep[order])
     if c.alpha != 1:
         vals = vals * c.alpha
-    vals_in = ops.all_to_all(vals, s, r, x.group) if nranks > 1 else vals
+    vals_in = _RowsAllToAll.apply(vals, s, r, x.group) if nranks > 1 else vals
     local = to_local(x)
     contrib = torch.zeros_like(local).index_add(0, ids_in - offsets[me], vals_in.to(local.dtype))
     full = from_local(contrib, x._spec)
