@@ -18,19 +18,27 @@ Schedules (chosen from the grid shape, a replicated value):
   so sends overlap compute. Per rank, forward: at most ``2 q`` tiles received, i.e.
   ``~2 N^2 c / sqrt(P)`` elements for an N x N x c operand pair (the 2-D bound).
 - **rectangular R x C: SUMMA over k-segments.** k is cut at every tile edge of either
-  operand (at most R + C - 1 segments); for each segment rank (r, c) fetches
-  ``X'[rows block r, seg]`` and ``Y'[seg, cols block c]`` from their owners with one
-  sparse exchange (prefetching the next segment while multiplying the current one).
-  Per rank: ``M K / R + K Nn / C`` elements received over the whole loop.
+  operand, and each piece further into segments no wider than ``SEGMENT_BUDGET`` allows; for
+  each segment rank (r, c) fetches ``X'[rows block r, seg]`` and ``Y'[seg, cols block c]``
+  from their owners (one sparse exchange per operand, prefetching the next segment while
+  multiplying the current one). Pieces from different owners are multiplied where they
+  land: each pair accumulates in place into its block of the output tile (no assembly);
+  pieces this rank owns are views of its tile. Per rank: ``M K / R + K Nn / C`` elements
+  received over the whole loop.
 
-Memory per rank: two tiles of each operand (current + in flight) and one output tile;
-nothing of size N^2 (or N^2 / R) is ever held. The backward of ``Z = X' Y'`` is two more
-contractions on the same grid with the same schedules (``dX' = dZ Y'^T``,
+Memory per rank (transient, beyond the operands and the output tile): Cannon holds the
+skewed tile of each operand (a view when it is this rank's own) plus, with the channel-first
+``bmm`` kernel, one channel chunk in flight (``RING_CHUNKS``: the received chunk is copied
+over the one just used), else one whole tile in flight; SUMMA holds one segment's pieces in
+use, the next in flight and the copies it sends, each at most ``SEGMENT_BUDGET`` of the
+output tile. Nothing of size N^2 (or N^2 / R) is ever held. The backward of ``Z = X' Y'``
+is two more contractions on the same grid with the same schedules (``dX' = dZ Y'^T``,
 ``dY' = X'^T dZ``), each written back in the stored orientation of X and Y. When ``dZ``
 has many more channels than X and Y (the outer product mean), the backward instead
 keeps ``dZ`` in place and moves the operands and the partial gradients
 (``Contraction.stationary_grad``; ring shifts on square grids, per-row fetch and
-scatter on rectangular ones).
+scatter on rectangular ones; in both the partials of one step travel while the next
+step's product runs).
 
 Tiles come from ``twinshard.tensors.dtensor.block_range`` (the project's one tiling rule);
 the k-cuts of SUMMA from :func:`k_segments`.
@@ -38,7 +46,6 @@ the k-cuts of SUMMA from :func:`k_segments`.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,11 +125,16 @@ def _product(
 
 
 class _Fetch:
-    """Pieces of several stored operands moved by one sparse exchange (one message per peer).
+    """Pieces of several stored operands moved by sparse exchanges (one per operand, at most one
+    message per peer each), posted at construction and collected by :meth:`wait` /
+    :meth:`wait_pieces`.
 
     ``wants[i][rank]`` is the (rows, cols) range of operand i, in stored orientation, that
     ``rank`` needs. Every rank derives every peer's wants from replicated metadata, so all
-    agree on who sends what without a handshake.
+    agree on who sends what without a handshake. A piece this rank holds itself never travels
+    (a view of its tile); a piece wanted by several peers (a SUMMA row or column broadcast) is
+    made contiguous once and that buffer goes to each of them; a piece arrives in its own buffer
+    (nothing is concatenated or assembled unless :meth:`wait` is asked for whole tiles).
     """
 
     def __init__(
@@ -134,35 +146,39 @@ class _Fetch:
     ):
         me = grid.rank
         self.ops, self.mine = ops, [w(me) for w in wants]
-        sends: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self.recv_plan: dict[int, list[tuple[int, Range, Range]]] = defaultdict(list)
         dtype = ops[0].tile.dtype
-        # A piece wanted by several peers (a SUMMA row or column broadcast) is made contiguous
-        # once and the same buffer is sent to each of them: no per-peer copies.
-        flat: dict[tuple[int, Range, Range], torch.Tensor] = {}
+        self._local: list[list[tuple[Range, Range, torch.Tensor]]] = []
+        self._recv: list[list[tuple[Range, Range]]] = []
+        self._pending = []
         for i, (x, want) in enumerate(zip(ops, wants)):
             (r0, r1), (c0, c1) = x.owned(grid, me)
+            sends: list[tuple[int, torch.Tensor]] = []
+            flat: dict[tuple[Range, Range], torch.Tensor] = {}
+            local = []
             for peer in range(grid.size):
                 pr, pc = want(peer)
                 ir, ic = _inter((r0, r1), pr), _inter((c0, c1), pc)
-                if ir and ic:
-                    if (i, ir, ic) not in flat:
-                        piece = x.tile[:, ir[0] - r0 : ir[1] - r0, ic[0] - c0 : ic[1] - c0]
-                        flat[(i, ir, ic)] = piece.to(dtype).contiguous().view(-1)
-                    sends[peer].append(flat[(i, ir, ic)])
+                if not (ir and ic):
+                    continue
+                piece = x.tile[:, ir[0] - r0 : ir[1] - r0, ic[0] - c0 : ic[1] - c0]
+                if peer == me:
+                    local.append((ir, ic, piece))
+                    continue
+                if (ir, ic) not in flat:
+                    flat[(ir, ic)] = piece.to(dtype).contiguous().view(-1)
+                sends.append((peer, flat[(ir, ic)]))
+            recv, recvs = [], []
             for peer in range(grid.size):
+                if peer == me:
+                    continue
                 orr, oc = x.owned(grid, peer)
                 ir, ic = _inter(orr, self.mine[i][0]), _inter(oc, self.mine[i][1])
                 if ir and ic:
-                    self.recv_plan[peer].append((i, ir, ic))
-        send_list = [(p, v[0] if len(v) == 1 else torch.cat(v)) for p, v in sorted(sends.items())]
-        del flat
-        recv_list = [
-            (p, (sum(self._numel(i, ir, ic) for i, ir, ic in plan),))
-            for p, plan in sorted(self.recv_plan.items())
-        ]
-        self._pending = P.exchange(send_list, recv_list, dtype=dtype, op=op, async_op=True)
-        self._peers = [p for p, _ in recv_list]
+                    recv.append((ir, ic))
+                    recvs.append((peer, (self._numel(i, ir, ic),)))
+            self._local.append(local)
+            self._recv.append(recv)
+            self._pending.append(P.exchange(sends, recvs, dtype=dtype, op=op, async_op=True))
 
     def _numel(self, i: int, ir: Range, ic: Range) -> int:
         t = self.ops[i].tile
@@ -171,31 +187,34 @@ class _Fetch:
             n *= s
         return n
 
-    def wait(self) -> list[torch.Tensor]:
-        bufs = self._pending.wait()
-        outs: list[torch.Tensor | None] = []
-        whole = {}  # operand i delivered whole by one peer: its buffer is the tile (no copy)
-        for peer, buf in zip(self._peers, bufs):
-            plan = self.recv_plan[peer]
-            if len(plan) == 1:
-                i, ir, ic = plan[0]
-                if (ir, ic) == self.mine[i] and buf.dtype == self.ops[i].tile.dtype:
-                    whole[i] = buf  # the whole wanted range comes from this one peer
-        for i, (x, ((r0, r1), (c0, c1))) in enumerate(zip(self.ops, self.mine)):
+    def wait_pieces(self) -> list[list[tuple[int, int, torch.Tensor]]]:
+        """Per operand: ``(row offset, col offset, piece)`` within the wanted range, covering it."""
+        outs = []
+        for i, (x, pending) in enumerate(zip(self.ops, self._pending)):
+            (r0, _), (c0, _) = self.mine[i]
             t = x.tile
-            shape = (t.shape[0], r1 - r0, c1 - c0) + tuple(t.shape[3:])
-            outs.append(whole[i].view(shape) if i in whole else t.new_empty(shape))
-        for peer, buf in zip(self._peers, bufs):
-            if any(buf is w for w in whole.values()):
+            pieces = [(ir[0] - r0, ic[0] - c0, p) for ir, ic, p in self._local[i]]
+            for (ir, ic), buf in zip(self._recv[i], pending.wait()):
+                shape = (t.shape[0], ir[1] - ir[0], ic[1] - ic[0]) + tuple(t.shape[3:])
+                pieces.append((ir[0] - r0, ic[0] - c0, buf.view(shape)))
+            outs.append(pieces)
+        self._pending = []
+        return outs
+
+    def wait(self) -> list[torch.Tensor]:
+        """Per operand: the whole wanted range as one tensor (a piece as received or held when
+        it is the whole range, else the pieces copied into a new tile)."""
+        outs = []
+        for (x, ((r0, r1), (c0, c1))), pieces in zip(zip(self.ops, self.mine), self.wait_pieces()):
+            if len(pieces) == 1:
+                outs.append(pieces[0][2])
                 continue
-            off = 0
-            for i, ir, ic in self.recv_plan[peer]:
-                n = self._numel(i, ir, ic)
-                (r0, _), (c0, _) = self.mine[i]
-                dst = outs[i][:, ir[0] - r0 : ir[1] - r0, ic[0] - c0 : ic[1] - c0]
-                dst.copy_(buf[off : off + n].view(dst.shape))
-                off += n
-        return outs  # type: ignore[return-value]
+            t = x.tile
+            out = t.new_empty((t.shape[0], r1 - r0, c1 - c0) + tuple(t.shape[3:]))
+            for ro, co, p in pieces:
+                out[:, ro : ro + p.shape[1], co : co + p.shape[2]].copy_(p)
+            outs.append(out)
+        return outs
 
 
 def grid_matmul(
@@ -259,6 +278,8 @@ def _cannon(
     xt, yt = _Fetch(grid, [x, y], [want_x, want_y], op=f"{tag}:skew").wait()
     left, right = grid.rank_of((r, c - 1)), grid.rank_of((r, c + 1))
     up, down = grid.rank_of((r - 1, c)), grid.rank_of((r + 1, c))
+    if kernel == "bmm" and xt.shape[0] > 1:
+        return _cannon_chunked(q, x, tx, y, ty, xt, yt, (left, right, up, down), equation, tag, ct)
     acc = None
     for t in range(q):
         pending = None
@@ -279,11 +300,83 @@ def _cannon(
     return acc
 
 
+RING_CHUNKS = 4  # channel chunks per ring step (bmm kernel): in flight 1/4 of a tile per operand
+
+
+def _chunks(n: int, parts: int) -> list[Range]:
+    parts = max(1, min(parts, n))
+    edges = [n * i // parts for i in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _cannon_chunked(
+    q: int,
+    x: Tiled,
+    tx: bool,
+    y: Tiled,
+    ty: bool,
+    xt: torch.Tensor,
+    yt: torch.Tensor,
+    peers: tuple[int, int, int, int],
+    equation: str,
+    tag: str,
+    ct: torch.dtype,
+) -> torch.Tensor:
+    """Cannon's ring on channel-first tiles ``[B*d, m, k]`` moved in channel chunks (dim 0,
+    contiguous): chunk j is posted, multiplied while in flight, and its arrival copied over the
+    chunk just used, so a rank holds one tile per operand plus one chunk in flight (not two
+    tiles). Tiles still viewing the stored operand (the skew kept them local) are never
+    written: the first shift then receives into a new tile."""
+    left, right, up, down = peers
+    acc = None
+    bounds = _chunks(xt.shape[0], RING_CHUNKS)
+    for t in range(q):
+        if t == q - 1:
+            acc = _product("bmm", equation, _orient(xt, tx), _orient(yt, ty), acc, ct)
+            break
+        cur = []
+        stored = {x.tile.untyped_storage().data_ptr(), y.tile.untyped_storage().data_ptr()}
+        for tile in (xt, yt):
+            cur.append(torch.empty_like(tile) if tile.untyped_storage().data_ptr() in stored else tile)
+        for a, b in bounds:
+            pending = P.exchange(
+                [(left, xt[a:b]), (up, yt[a:b])],
+                [(right, tuple(xt[a:b].shape)), (down, tuple(yt[a:b].shape))],
+                dtype=xt.dtype,
+                op=f"{tag}:ring_shift",
+                async_op=True,
+            )
+            if acc is None:  # zeros: every product accumulates in place (0 + p is exact)
+                m, n = xt.shape[2] if tx else xt.shape[1], yt.shape[1] if ty else yt.shape[2]
+                acc = torch.zeros((xt.shape[0], m, n), dtype=ct, device=xt.device)
+            _product("bmm", equation, _orient(xt[a:b], tx), _orient(yt[a:b], ty), acc[a:b], ct)
+            nx, ny = pending.wait()
+            cur[0][a:b].copy_(nx)
+            cur[1][a:b].copy_(ny)
+            del nx, ny
+        xt, yt = cur
+    assert acc is not None  # q >= 1 steps ran
+    return acc
+
+
 def k_segments(k: int, kx: int, ky: int) -> list[Range]:
     """The k-segments of SUMMA: ``[0, k)`` cut at every tile edge of X (k split in ``kx``
     blocks) and of Y (``ky`` blocks), so each segment lies in one tile of each operand."""
     edges = sorted({k * i // kx for i in range(kx + 1)} | {k * i // ky for i in range(ky + 1)})
     return list(zip(edges[:-1], edges[1:]))
+
+
+SEGMENT_BUDGET = 0.5  # a SUMMA segment's pieces: at most this fraction of the output tile
+
+
+def _segment_width(kernel: str, xt: torch.Tensor, yt: torch.Tensor, m: int, n: int) -> int:
+    """Widest k-segment whose X' (m x w) and Y' (w x n) pieces hold at most ``SEGMENT_BUDGET``
+    of the output tile's elements (the acc: channel-wise for bmm/einsum, the channel outer
+    product for ``"outer"``)."""
+    ex = xt.numel() // (xt.shape[1] * xt.shape[2])  # elements per token pair of each operand
+    ey = yt.numel() // (yt.shape[1] * yt.shape[2])
+    acc = m * n * (ex * ey // xt.shape[0] if kernel == "outer" else max(ex, ey))
+    return max(1, int(SEGMENT_BUDGET * acc) // (m * ex + n * ey))
 
 
 def _summa(
@@ -301,8 +394,12 @@ def _summa(
     ct: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     R, C = grid.rows, grid.cols
-    # k is tiled by R (stored rows) or C (stored cols) in each operand; cut at every edge.
-    segs = k_segments(k, R if tx else C, C if ty else R)
+    m_loc, n_loc = m // R, n // C
+    # k is tiled by R (stored rows) or C (stored cols) in each operand; cut at every edge, then
+    # finer so that one segment's pieces (held twice: in use and in flight) stay small.
+    width = _segment_width(kernel, x.tile, y.tile, m_loc, n_loc)
+    cuts = k_segments(k, R if tx else C, C if ty else R)
+    segs = [(a, min(a + width, hi)) for lo, hi in cuts for a in range(lo, hi, width)]
 
     def wants(seg: Range) -> list[Callable[[int], tuple[Range, Range]]]:
         def want_x(rank: int) -> tuple[Range, Range]:
@@ -318,13 +415,35 @@ def _summa(
     acc = None
     fetch = _Fetch(grid, [x, y], wants(segs[0]), op=f"{tag}:summa_fetch")
     for i in range(len(segs)):
-        xs, ys = fetch.wait()
+        xs, ys = fetch.wait_pieces()
         if i + 1 < len(segs):
             fetch = _Fetch(grid, [x, y], wants(segs[i + 1]), op=f"{tag}:summa_fetch")
-        acc = _product(kernel, equation, _orient(xs, tx), _orient(ys, ty), acc, ct)
-        del xs, ys  # the segment's tiles go before the next arrives
+        # X' arrives in pieces along m, Y' along n (pieces of different tiles): each pair of
+        # pieces accumulates into its block of the output tile, nothing is assembled.
+        for xr, xc, xp in xs:
+            mo = xc if tx else xr
+            xo = _orient(xp, tx)
+            for yr, yc, yp in ys:
+                no = yr if ty else yc
+                yo = _orient(yp, ty)
+                if acc is None:
+                    acc = _new_acc(kernel, equation, xo, yo, m_loc, n_loc, ct)
+                rs, cs = acc.shape[1] // m_loc, acc.shape[2] // n_loc  # acc entries per token
+                view = acc[:, mo * rs : (mo + xo.shape[1]) * rs, no * cs : (no + yo.shape[2]) * cs]
+                _product(kernel, equation, xo, yo, view, ct)
+        del xs, ys, xp, yp, xo, yo  # the segment's pieces go before the next arrives
     assert acc is not None  # at least one segment
     return acc
+
+
+def _new_acc(
+    kernel: str, equation: str, xo: torch.Tensor, yo: torch.Tensor, m: int, n: int, ct: torch.dtype
+) -> torch.Tensor:
+    """A zero output tile for ``m`` x ``n`` tokens in ``kernel``'s layout (shape taken from one
+    block product's: ``_product`` on one k-column of the operands)."""
+    one = _product(kernel, equation, xo[:, :, :1], yo[:, :1], None, ct)
+    rs, cs = one.shape[1] // xo.shape[1], one.shape[2] // yo.shape[2]
+    return one.new_zeros((one.shape[0], m * rs, n * cs) + tuple(one.shape[3:]))
 
 
 def _stationary_product(
@@ -395,23 +514,31 @@ def _cannon_stationary(
         w_to, w_from = grid.rank_of((r, c - 1)), grid.rank_of((r, c + 1))
         p_to, p_from = grid.rank_of((r - 1, c)), grid.rank_of((r + 1, c))
         deliver_to, deliver_from = grid.rank_of((r + c - 1, c)), grid.rank_of((r - c + 1, c))
-    acc = None
-    for t in range(q):
-        pending = None
-        if t < q - 1:  # the next operand tile travels while this step multiplies
-            pending = P.exchange(
-                [(w_to, wt)],
-                [(w_from, tuple(wt.shape))],
-                dtype=wt.dtype,
-                op=f"{tag}:ring_shift",
-                async_op=True,
-            )
-        acc = _stationary_product(kernel, equation, which, wt, dz, acc, ct, nch)
-        if pending is not None:
-            (wt,) = pending.wait()
-            (acc,) = P.exchange(
-                [(p_to, acc)], [(p_from, tuple(acc.shape))], dtype=acc.dtype, op=f"{tag}:partial_shift"
-            )
+
+    def shift_operand(wt: torch.Tensor) -> Any:
+        return P.exchange(
+            [(w_to, wt)], [(w_from, tuple(wt.shape))], dtype=wt.dtype, op=f"{tag}:ring_shift", async_op=True
+        )
+
+    # Step t: the partial of step t - 1 travels while this step multiplies (c_t = W_t dZ in a
+    # buffer of its own), then c_t is added to the partial received; the next operand tile
+    # travels during the same product.
+    pend_w = shift_operand(wt) if q > 1 else None
+    acc = _stationary_product(kernel, equation, which, wt, dz, None, ct, nch)
+    for t in range(1, q):
+        pend_p = P.exchange(
+            [(p_to, acc)],
+            [(p_from, tuple(acc.shape))],
+            dtype=acc.dtype,
+            op=f"{tag}:partial_shift",
+            async_op=True,
+        )
+        (wt,) = pend_w.wait()
+        pend_w = shift_operand(wt) if t < q - 1 else None
+        part = _stationary_product(kernel, equation, which, wt, dz, None, ct, nch)
+        (got,) = pend_p.wait()
+        acc = got.add_(part)
+        del part
     (out,) = P.exchange(
         [(deliver_to, acc)], [(deliver_from, tuple(acc.shape))], dtype=acc.dtype, op=f"{tag}:deliver"
     )
@@ -445,21 +572,34 @@ def _summa_stationary(
     nr = N // R  # dZ rows block (tokens over grid rows)
     out = None
     mine_cols = block_range(N, C, c)
-    for k in range(R):
 
-        def want(rank: int, k: int = k) -> tuple[Range, Range]:
+    def fetch(k: int) -> _Fetch:
+        def want(rank: int) -> tuple[Range, Range]:
             rr, cc = grid.coords_of(rank)
             return block_range(K, R, k), (block_range(N, C, cc) if which == "x" else block_range(N, R, rr))
 
-        (wk,) = _Fetch(grid, [Tiled(w, K, N)], [want], op=f"{tag}:summa_fetch").wait()
+        return _Fetch(grid, [Tiled(w, K, N)], [want], op=f"{tag}:summa_fetch")
+
+    def add_received(pending: Any, recvs: list[tuple[int, Range]]) -> None:
+        for (_, hit), piece in zip(recvs, pending.wait()):
+            out[:, :, hit[0] - mine_cols[0] : hit[1] - mine_cols[0]] += piece
+
+    # The next k-block's operand and this block's partials travel while the next block multiplies;
+    # received partials are summed in k order, so the sum is the one of a blocking loop.
+    nxt, scatter = fetch(0), None
+    for k in range(R):
+        (wk,) = nxt.wait()
+        if k + 1 < R:
+            nxt = fetch(k + 1)
+        part = _stationary_product(kernel, equation, which, wk, dz, None, ct, nch)
+        del wk
         if which == "x":  # partial dX[k, I_r]: to the owners (k, c') of the columns of I_r
-            part = _stationary_product(kernel, equation, which, wk, dz, None, ct, nch)
             sends = []
             for c2 in range(C):
                 hit = _inter(block_range(N, R, r), block_range(N, C, c2))
                 if hit:
                     piece = part[:, :, hit[0] - r * nr : hit[1] - r * nr]
-                    sends.append((grid.rank_of((k, c2)), piece))
+                    sends.append((grid.rank_of((k, c2)), piece.contiguous()))
             recvs = []
             if r == k:
                 for r2 in range(R):
@@ -468,17 +608,17 @@ def _summa_stationary(
                         for c2 in range(C):
                             recvs.append((grid.rank_of((r2, c2)), hit))
         else:  # partial dY[k, J_c]: to the owner (k, c), summed over the grid column
-            part = _stationary_product(kernel, equation, which, wk, dz, None, ct, nch)
             sends = [(grid.rank_of((k, c)), part)]
             recvs = [(grid.rank_of((r2, c)), mine_cols) for r2 in range(R)] if r == k else []
         if out is None:  # the gradient tile: X's (or Y's) stored tile with the partial's channels
             out = part.new_zeros(w.shape[:3] + part.shape[3:])
+        if scatter is not None:
+            add_received(*scatter)
         shapes = [(p, out.shape[:2] + (h[1] - h[0],) + out.shape[3:]) for p, h in recvs]
-        got = P.exchange(
-            [(p, t.contiguous()) for p, t in sends], shapes, dtype=out.dtype, op=f"{tag}:partial_scatter"
-        )
-        for (_, hit), piece in zip(recvs, got):
-            out[:, :, hit[0] - mine_cols[0] : hit[1] - mine_cols[0]] += piece
+        pending = P.exchange(sends, shapes, dtype=out.dtype, op=f"{tag}:partial_scatter", async_op=True)
+        scatter = (pending, recvs)
+        del part, sends
+    add_received(*scatter)
     assert out is not None  # R >= 1 iterations ran
     return out
 
