@@ -145,6 +145,9 @@ def test_auto_kernel_choice(monkeypatch):
     assert all(torch.equal(getattr(auto, k), getattr(plain, k)) for k in FIELDS)
     with pytest.raises(ValueError, match="unknown LJ kernel 'fused'; choose one of"):
         LennardJones(kernel="fused")
+    pot.kernel = "fused"  # set after construction: refused at evaluation, not run as the plain kernel
+    with pytest.raises(ValueError, match="unknown LJ kernel 'fused'; choose one of"):
+        evaluate(pot, system)
 
 
 def _plant(fn, old, new):

@@ -19,8 +19,9 @@ without autograd:
   (Triton on GPU) of three passes over the pairs, with five ``[E]`` buffers between them
   (40 bytes per pair in fp64). Compiled once per process with dynamic shapes (one graph
   serves every edge and atom count; the open-block form without shifts is a second graph).
-  Inductor's on-disk cache shortens a later process's compile (cold ~20-50 s, warm ~5-10 s
-  on the 2-core development machine; most of the warm cost is importing the compiler).
+  Inductor's on-disk cache shortens a later process's compile (first graph cold ~60 s, warm
+  ~9 s, the second graph ~13 s / <1 s, on the loaded 2-core development machine; most of the
+  warm cost is importing the compiler and preprocessing its header).
   Inductor compiles with fast-math flags and, on several threads, scatters with atomic
   adds in a varying order: results agree with the plain kernel to round-off, not bitwise.
 
@@ -70,6 +71,8 @@ def _have_cxx() -> bool:
 
 def resolve_kernel(kernel: str, n_edges: int, device: torch.device) -> str:
     """``"torch"`` or ``"compile"`` for ``kernel`` (``"auto"``: see the module docstring)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown LJ kernel {kernel!r}; choose one of {KERNELS}")
     if kernel != "auto":
         return kernel
     if n_edges < AUTO_MIN_EDGES:
