@@ -134,7 +134,10 @@ def test_auto_kernel_choice(monkeypatch):
     assert lj_kernels.resolve_kernel("compile", 1, cpu) == "compile"
     monkeypatch.setattr(lj_kernels, "_have_cxx", lambda: False)
     assert lj_kernels.resolve_kernel("auto", big, cpu) == "torch"
-    assert lj_kernels.resolve_kernel("auto", big, torch.device("cuda")) == "compile"
+    cuda = torch.device("cuda")
+    for triton in (True, False):
+        monkeypatch.setattr(lj_kernels, "_have_triton", lambda t=triton: t)
+        assert lj_kernels.resolve_kernel("auto", big, cuda) == ("compile" if triton else "torch")
     # a small system under "auto" runs the plain kernel: bitwise the torch kernel's results
     system = _small_triclinic()
     pot = make_potential("lj")

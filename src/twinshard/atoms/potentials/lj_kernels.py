@@ -26,8 +26,8 @@ without autograd:
   adds in a varying order: results agree with the plain kernel to round-off, not bitwise.
 
 ``kernel="auto"`` (:func:`resolve_kernel`) takes the compiled kernel when a compile can
-repay itself: a C++ compiler is found (or the tensors are on a GPU) and the list has at
-least :data:`AUTO_MIN_EDGES` pairs; otherwise the plain one.
+repay itself: the list has at least :data:`AUTO_MIN_EDGES` pairs and inductor's back end for
+the device is there (a C++ compiler on CPU, Triton on a GPU); otherwise the plain one.
 """
 
 from __future__ import annotations
@@ -69,6 +69,13 @@ def _have_cxx() -> bool:
     return cxx is not None and shutil.which(cxx) is not None
 
 
+@functools.cache
+def _have_triton() -> bool:
+    from torch.utils._triton import has_triton
+
+    return bool(has_triton())
+
+
 def resolve_kernel(kernel: str, n_edges: int, device: torch.device) -> str:
     """``"torch"`` or ``"compile"`` for ``kernel`` (``"auto"``: see the module docstring)."""
     if kernel not in KERNELS:
@@ -77,7 +84,8 @@ def resolve_kernel(kernel: str, n_edges: int, device: torch.device) -> str:
         return kernel
     if n_edges < AUTO_MIN_EDGES:
         return "torch"
-    return "compile" if device.type == "cuda" or _have_cxx() else "torch"
+    usable = _have_triton() if device.type == "cuda" else _have_cxx()  # inductor's back end there
+    return "compile" if usable else "torch"
 
 
 def pairs_torch(
