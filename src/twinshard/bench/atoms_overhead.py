@@ -282,9 +282,11 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
     every = [leg for r in runs for leg in r["legs"].values()]
     out["max_force_error"] = max(leg["max_force_error"] for leg in every)
     out["energy_rel_error"] = max(leg["energy_rel_error"] for leg in every)
-    d = [v for k, v in out.items() if k.startswith("dispatch_over_hooks_P")]
-    out["dispatch_target_met"] = max(d) <= DISPATCH_TARGET if d else None
-    p1 = [out.get(f"{a}_over_plain_P1") for a in ("hooks", "dispatch")]
-    p1 = [v for v in p1 if v is not None]
-    out["p1_target_met"] = max(p1) <= P1_TARGET if p1 else None
+    # wall time (the targets' figure) and CPU time (what a loaded machine distorts least)
+    for suffix in ("", "_cpu"):
+        d = [out[f"dispatch_over_hooks{suffix}_P{r['ranks']}"] for r in runs if "hooks" in r["legs"]]
+        out[f"dispatch_target_met{suffix}"] = max(d) <= DISPATCH_TARGET if d else None
+        p1 = [out.get(f"{a}_over_plain{suffix}_P1") for a in ("hooks", "dispatch")]
+        p1 = [v for v in p1 if v is not None]
+        out[f"p1_target_met{suffix}"] = max(p1) <= P1_TARGET if p1 else None
     return out
