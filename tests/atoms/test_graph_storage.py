@@ -31,7 +31,7 @@ from twinshard.atoms import structures
 from twinshard.atoms.api import run_md
 from twinshard.atoms.distributed import DistributedPotential
 from twinshard.atoms.driver import MDConfig, potential_from_config
-from twinshard.atoms.graph_storage import GraphSharded, OwnedFirst, balanced_counts
+from twinshard.atoms.graph_storage import GraphSharded, OwnedFirst, balanced_counts, graph_inputs
 from twinshard.atoms.md import SerialEngine, VelocityVerlet, maxwell_boltzmann, simulate
 from twinshard.atoms.plain_inputs import evaluate_plain, system_inputs
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, mace_native
@@ -238,7 +238,10 @@ def test_rank_relative_ids():
 
 # ---------------------------------------------------------------------- a batch of systems
 def _batch():
-    return [make_system(), make_open(), make_small()]
+    systems = [make_system(), make_open(), make_small()]
+    for k, s in enumerate(systems):  # per-system values a charged MLIP reads: replicated, [S]
+        s.info.update(charge=k - 1.0, spin=0.5 * k, label=f"system {k}")
+    return systems
 
 
 def _rank_batch(nranks):
@@ -256,6 +259,7 @@ def _rank_batch(nranks):
         "stresses": r.stress,
         "forces": r.forces,
         "back": g.gather_systems(0),
+        "values": {k: graph_inputs(g)[k] for k in ("charge", "spin")},
         "small": {"counts": small.counts(), "energy": rs.energy, "forces": rs.forces, "stress": rs.stress},
     }
 
@@ -285,6 +289,11 @@ def test_batch_of_systems_equals_each_serial(nranks):
         for f in ("positions", "numbers", "ids", "cell"):
             assert torch.equal(getattr(back, f), getattr(s, f).to(getattr(back, f).dtype)), f
     assert all(r["back"] is None for r in res[1:])
+    assert [b.info for b in res[0]["back"]] == [s.info for s in systems]
+    for key in ("charge", "spin"):  # replicated per-system values, in the serial dict's form
+        assert_replicated([r["values"][key] for r in res], f"batch {key} P={nranks}")
+        serial = torch.cat([system_inputs(s, 1.0)[key] for s in systems])
+        assert torch.equal(res[0]["values"][key], serial), (key, res[0]["values"][key], serial)
     small, ref = res[0]["small"], refs[2]
     # 3 atoms: one atom per rank at P=3; at P=4 one rank holds none and still takes part
     assert small["counts"] == list(balanced_counts(3, nranks)) and (0 in small["counts"]) == (nranks == 4)

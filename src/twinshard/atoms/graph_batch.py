@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from twinshard.atoms.plain_inputs import SYSTEM_VALUES
 from twinshard.atoms.sharded import _as_system, _check_ids
 from twinshard.atoms.system import System
 from twinshard.comm import primitives as prim
@@ -56,7 +57,7 @@ def as_batch(source: Any, dtype: torch.dtype | None) -> list[System]:
 
 def fingerprint(systems: list[System]) -> torch.Tensor:
     """Numbers every rank can compare to tell whether they hold the same batch (sizes, positions,
-    numbers and ids weighted by row, cells, pbc)."""
+    numbers and ids weighted by row, cells, pbc, charge and spin)."""
     rows: list[float] = [float(len(systems))]
     for s in systems:
         k = torch.arange(1, s.n_atoms + 1, dtype=torch.float64)
@@ -69,6 +70,8 @@ def fingerprint(systems: list[System]) -> torch.Tensor:
             float(s.cell.to(torch.float64).sum()),
             float(s.pbc.to(torch.float64) @ torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)),
         ]
+        # the per-system values a model reads (plain_inputs.SYSTEM_VALUES); inf (equal to itself) if absent
+        rows += [float(s.info.get(key, float("inf"))) for key in SYSTEM_VALUES]
     return torch.tensor(rows, dtype=torch.float64)
 
 
@@ -82,7 +85,7 @@ def batch_header(systems: list[System]) -> dict[str, Any]:
         "schema": {
             k: (getattr(systems[0], k).dtype, tuple(getattr(systems[0], k).shape[1:])) for k in FIELDS
         },
-        "info": dict(systems[0].info) if len(systems) == 1 else {},
+        "infos": [dict(s.info) for s in systems],
     }
 
 
@@ -107,7 +110,7 @@ def split_systems(
     pbcs: torch.Tensor,
     positions: torch.Tensor,
     fields: dict[str, torch.Tensor],
-    info: dict[str, Any],
+    infos: list[dict[str, Any]],
 ) -> list[System]:
     """All rows of the batch (global order) cut back into its Systems, each in the caller's order."""
     out, start = [], 0
@@ -122,7 +125,7 @@ def split_systems(
                 masses=fields["masses"][cut],
                 velocities=fields["velocities"][cut],
                 ids=fields["ids"][cut],
-                info=dict(info) if len(sizes) == 1 else {},
+                info=dict(infos[s]),
             )
         )
         start += size

@@ -66,7 +66,7 @@ from twinshard.atoms.graph_batch import (
     split_systems,
 )
 from twinshard.atoms.neighbors import neighbor_list
-from twinshard.atoms.plain_inputs import _call
+from twinshard.atoms.plain_inputs import _call, system_values
 from twinshard.atoms.sharded import _a2a
 from twinshard.atoms.system import System
 from twinshard.comm import primitives as prim
@@ -132,7 +132,7 @@ class GraphSharded:
         self.masses = torch.zeros(0, dtype=torch.float64)
         self.velocities = torch.zeros(0, 3, dtype=torch.float64)
         self.batch = torch.zeros(0, dtype=torch.int64)
-        self.info: dict[str, Any] = {}
+        self.infos: list[dict[str, Any]] = []  # each system's info (replicated)
         self.cutoff = self.skin = 0.0
         self.builds = 0
         self.senders = self.receivers = torch.zeros(0, dtype=torch.int64)
@@ -196,7 +196,7 @@ class GraphSharded:
             header = batch_header(systems)
         else:
             header = broadcast_header(batch_header(systems) if me == src else None, src, group, dev)
-        self.sizes, self.info = header["sizes"], header["info"]
+        self.sizes, self.infos = header["sizes"], header["infos"]
         self.cells, self.pbcs = header["cells"].to(dev), header["pbcs"]
         ftype = header["dtype"]
         n_total = sum(self.sizes)
@@ -362,7 +362,7 @@ class GraphSharded:
         got = {k: self.gather_rows(getattr(self, k), dst) for k in FIELDS}
         if self.rank != dst:
             return None
-        return split_systems(self.sizes, self.cells, self.pbcs, self.all_positions, got, self.info)
+        return split_systems(self.sizes, self.cells, self.pbcs, self.all_positions, got, self.infos)
 
     def gather(self, dst: int = 0) -> System | None:
         """Collective: a single system on ``dst``, atoms ordered by id (as
@@ -386,7 +386,8 @@ def graph_inputs(g: GraphSharded, positions: torch.Tensor | None = None) -> dict
     """The plain-contract input dict of this rank (no communication): ``positions``, ``numbers``,
     ``batch`` as ``OwnedFirst`` ShardTensors (``positions`` differentiable in the owned rows
     ``positions``, default ``g.positions``), per-edge ``senders``, ``receivers``, ``shifts``
-    (rank-relative ids, cartesian shifts) and the replicated ``cell [S, 3, 3]``."""
+    (rank-relative ids, cartesian shifts), the replicated ``cell [S, 3, 3]`` and the systems'
+    replicated ``charge`` / ``spin`` ``[S]`` when their infos hold them (``SYSTEM_VALUES``)."""
     x = g.positions if positions is None else positions
     spec = g.spec()
     return {
@@ -397,6 +398,7 @@ def graph_inputs(g: GraphSharded, positions: torch.Tensor | None = None) -> dict
         "shifts": g.shifts.to(x.dtype),
         "batch": ShardTensor.wrap(g.batch, spec),
         "cell": g.cells.to(x.device, x.dtype),
+        **system_values(g.infos, x),
     }
 
 

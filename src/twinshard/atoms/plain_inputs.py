@@ -2,7 +2,8 @@
 
 A *plain* model (e.g. :class:`~twinshard.atoms.potentials.mpnn_plain.PlainMessagePassing`)
 takes ``data = {positions [n, 3], numbers [n], senders [E], receivers [E], shifts [E, 3]
-(cartesian), batch [n], cell [S, 3, 3]}`` and returns a dict with ``node_energy [n]``,
+(cartesian), batch [n], cell [S, 3, 3]}`` (plus ``charge [S]`` / ``spin [S]`` when every
+system's ``info`` has them: the per-system values of :data:`SYSTEM_VALUES`) and returns a dict with ``node_energy [n]``,
 ``energy [S]`` and, when asked, ``forces``, ``virial`` and ``stress`` (computed by the model
 itself with ``torch.autograd.grad``). It never calls twinshard.
 
@@ -45,7 +46,23 @@ __all__ = [
     "is_plain",
     "potential_mode",
     "system_inputs",
+    "system_values",
 ]
+
+# per-system scalars a model may read (a charged or spin-polarised MLIP): from ``System.info``,
+# replicated on every rank, ``[S]`` in the positions' dtype
+SYSTEM_VALUES = ("charge", "spin")
+
+
+def system_values(infos: list[dict[str, Any]], like: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{key: [S]}`` for each key of :data:`SYSTEM_VALUES` that every system's info holds."""
+    out = {}
+    for key in SYSTEM_VALUES:
+        if infos and all(key in info for info in infos):
+            out[key] = torch.tensor(
+                [float(info[key]) for info in infos], dtype=like.dtype, device=like.device
+            )
+    return out
 
 
 def is_plain(model: Any) -> bool:
@@ -94,6 +111,7 @@ def system_inputs(system: System, cutoff: float, edges: Edges | None = None) -> 
         "shifts": edges.shifts.to(x.dtype),
         "batch": torch.zeros(system.n_atoms, dtype=torch.int64, device=x.device),
         "cell": system.cell.to(x.dtype)[None],
+        **system_values([system.info], x),
     }
 
 
@@ -157,6 +175,7 @@ def block_inputs(sharded: ShardedSystem, positions: torch.Tensor | None = None) 
         "shifts": shifts,
         "batch": batch,
         "cell": cell[None],
+        **system_values([sharded.info], x),
     }
 
 
