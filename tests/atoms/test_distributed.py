@@ -28,6 +28,7 @@ from twinshard.testing import (
     assert_random_grad_output,
     assert_replicated,
     assert_shards_cover,
+    by_id,
     rows_of,
     run_on_world,
 )
@@ -117,18 +118,8 @@ def _serial(kind, name):
     return system, ref, grads[0], dict(zip(names, grads[1:]))
 
 
-def _by_id(results, key, system):
-    """Assemble a sharded per-atom result into the serial order of ``system.ids``."""
-    pos = {int(i): k for k, i in enumerate(system.ids.tolist())}
-    first = results[0][key]
-    out = torch.full((system.n_atoms,) + tuple(first.shape[1:]), float("nan"), dtype=first.dtype)
-    seen = torch.zeros(system.n_atoms, dtype=torch.int64)
-    for r in results:
-        idx = torch.tensor([pos[int(i)] for i in r["ids"].tolist()], dtype=torch.int64)
-        out[idx] = r[key]
-        seen[idx] += 1
-    assert bool((seen == 1).all()), "an atom is owned by no rank or by several"
-    return out
+def _by_id(results, key, system):  # kept for test_lj_fast's import
+    return by_id(results, key, system.ids)
 
 
 CASES = [
@@ -168,8 +159,12 @@ def test_parity_with_serial(kind, name, nranks, grid):
     for key, full in (("per_atom", ref.per_atom), ("forces", ref.forces), ("grad_x", ref_gx)):
         pieces = [(r[key], rows_of(r["ids"], system.ids)) for r in res]
         assert_shards_cover(pieces, full, f"{key} {where}", disjoint=True)
-    assert_parity(_by_id(res, "per_atom", system), ref.per_atom, grid=gid, what=f"per-atom energies {where}")
-    assert_parity(_by_id(res, "forces", system), ref.forces, grid=gid, what=f"forces {where}", checks=checks)
+    assert_parity(
+        by_id(res, "per_atom", system.ids), ref.per_atom, grid=gid, what=f"per-atom energies {where}"
+    )
+    assert_parity(
+        by_id(res, "forces", system.ids), ref.forces, grid=gid, what=f"forces {where}", checks=checks
+    )
     if system.volume > 0:
         assert float(ref.stress.abs().max()) > 0
         assert_parity(res[0]["stress"], ref.stress, grid=gid, what=f"stress {where}", checks=checks)
@@ -177,7 +172,7 @@ def test_parity_with_serial(kind, name, nranks, grid):
         assert res[0]["stress"] is None and ref.stress is None
     # backward of a random grad_output: positions and every parameter
     assert_random_grad_output(res[0]["grad_output"])
-    gx = _by_id(res, "grad_x", system)
+    gx = by_id(res, "grad_x", system.ids)
     assert_grads_finite_nonzero({"positions": gx, **res[0]["grad_params"]}, where)
     assert_parity(gx, ref_gx, grid=gid, what=f"d<g, per-atom E>/dx {where}", checks=["random grad_output"])
     for n, g in ref_gp.items():
@@ -191,9 +186,9 @@ def test_block_partition_parity():
     pieces = [(r["forces"], rows_of(r["ids"], system.ids)) for r in res]
     assert_shards_cover(pieces, ref.forces, "forces mpnn/fcc block P=3", disjoint=True)
     assert_parity(res[0]["energy"], ref.energy, what="energy mpnn/fcc block P=3")
-    assert_parity(_by_id(res, "forces", system), ref.forces, what="forces mpnn/fcc block P=3")
+    assert_parity(by_id(res, "forces", system.ids), ref.forces, what="forces mpnn/fcc block P=3")
     assert_parity(res[0]["stress"], ref.stress, what="stress mpnn/fcc block P=3")
-    assert_parity(_by_id(res, "grad_x", system), ref_gx, what="d<g,E>/dx mpnn/fcc block P=3")
+    assert_parity(by_id(res, "grad_x", system.ids), ref_gx, what="d<g,E>/dx mpnn/fcc block P=3")
 
 
 def test_negative_control_missing_parameter_reduce_is_caught():
@@ -201,7 +196,7 @@ def test_negative_control_missing_parameter_reduce_is_caught():
     system, ref, _, ref_gp = _serial("lj", "fcc")
     res = run_on_world(_rank_eval, 2, "lj", "fcc", (1, 2, 1), "spatial", "no_param_sync")
     # forces do not see the bug (only the parameter gradients do)
-    assert_parity(_by_id(res, "forces", system), ref.forces, what="forces with no_param_sync")
+    assert_parity(by_id(res, "forces", system.ids), ref.forces, what="forces with no_param_sync")
     with pytest.raises(AssertionError, match=r"parity of d<g, per-atom E>/depsilon .* fails"):
         assert_parity(
             res[0]["grad_params"]["epsilon"], ref_gp["epsilon"], what="d<g, per-atom E>/depsilon P=2"
@@ -221,7 +216,7 @@ def _rank_no_refresh():
 def test_negative_control_stale_halo_features_are_caught():
     system, ref, _, _ = _serial("mpnn", "fcc")
     res = run_on_world(_rank_no_refresh, 2)
-    per_atom = _by_id([{"ids": i, "e": e} for i, e in res], "e", system)
+    per_atom = by_id([{"ids": i, "e": e} for i, e in res], "e", system.ids)
     with pytest.raises(AssertionError, match="parity of per-atom energies, halo never refreshed .* fails"):
         assert_parity(per_atom, ref.per_atom, what="per-atom energies, halo never refreshed")
 

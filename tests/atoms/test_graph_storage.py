@@ -48,6 +48,7 @@ from twinshard.testing import (
     assert_random_grad_output,
     assert_replicated,
     assert_shards_cover,
+    by_id,
     rows_of,
     run_on_world,
 )
@@ -179,15 +180,6 @@ def _serial_mpnn():
     return system, ref, grads[0], dict(zip(names, grads[1:])), force_loss
 
 
-def _by_id(results, key, system):
-    pos = {int(i): k for k, i in enumerate(system.ids.tolist())}
-    first = results[0][key]
-    out = torch.full((system.n_atoms,) + tuple(first.shape[1:]), float("nan"), dtype=first.dtype)
-    for r in results:
-        out[torch.tensor([pos[int(i)] for i in r["ids"].tolist()], dtype=torch.int64)] = r[key]
-    return out
-
-
 @pytest.fixture(scope="module")
 def serial_mpnn():
     return _serial_mpnn()
@@ -212,7 +204,7 @@ def test_plain_mpnn_halo_and_graph_storage_equal_serial(serial_mpnn, nranks):
         for key, full in keys:
             pieces = [(r[key], rows_of(r["ids"], system.ids)) for r in rs]
             assert_shards_cover(pieces, full, f"{key} {where}", disjoint=True)
-            assert_parity(_by_id(rs, key, system), full, grid=gid, what=f"{key} {where}")
+            assert_parity(by_id(rs, key, system.ids), full, grid=gid, what=f"{key} {where}")
     gs = [r["graph"] for r in res]
     assert gs[0]["counts"] == list(balanced_counts(system.n_atoms, nranks))
     assert all(r["edges"] > 0 for r in gs)
@@ -340,7 +332,7 @@ def test_mace_unmodified_through_graph_storage(nranks):
     for key, full in (("per_atom", ref["node_energy"]), ("forces", ref["forces"])):
         pieces = [(r[key], rows_of(r["ids"], system.ids)) for r in res]
         assert_shards_cover(pieces, full, f"{key} {where}", disjoint=True)
-    e, f, s = res[0]["energy"], _by_id(res, "forces", system), res[0]["stress"]
+    e, f, s = res[0]["energy"], by_id(res, "forces", system.ids), res[0]["stress"]
     # the bounds, then the harness's (tighter) round-off gate with its evidence line
     assert float((e - ref["energy"][0]).abs() / ref["energy"][0].abs()) <= 1e-10
     assert float((f - ref["forces"]).abs().max()) <= 1e-9
@@ -479,6 +471,6 @@ def test_disabled_handler_raises_naming_the_op(name, op):
 def test_negative_control_local_only_handler_fails_parity(serial_mpnn, plant, what):
     system, ref = serial_mpnn[:2]
     res = [r["graph"] for r in run_on_world(_rank_mpnn, 2, 2, plant, False)]
-    actual = res[0][what] if what in ("energy", "stress") else _by_id(res, what, system)
+    actual = res[0][what] if what in ("energy", "stress") else by_id(res, what, system.ids)
     with pytest.raises(AssertionError, match=f"parity of {what} with {plant} local-only .* fails"):
         assert_parity(actual, getattr(ref, what), what=f"{what} with {plant} local-only", grid="2")

@@ -23,7 +23,14 @@ from twinshard.atoms.plain_inputs import evaluate_plain, system_inputs
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, load_mace, mace_native
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
-from twinshard.testing import assert_parity, assert_replicated, assert_shards_cover, rows_of, run_on_world
+from twinshard.testing import (
+    assert_parity,
+    assert_replicated,
+    assert_shards_cover,
+    by_id,
+    rows_of,
+    run_on_world,
+)
 
 GRIDS = {2: (2, 1, 1), 4: (2, 2, 1)}
 SKIN = 0.5
@@ -84,15 +91,6 @@ def _rank(path, nranks):
     }
 
 
-def _by_id(results, key, system):
-    pos = {int(i): k for k, i in enumerate(system.ids.tolist())}
-    first = results[0][key]
-    out = torch.full((system.n_atoms,) + tuple(first.shape[1:]), float("nan"), dtype=first.dtype)
-    for r in results:
-        out[torch.tensor([pos[int(i)] for i in r["ids"].tolist()], dtype=torch.int64)] = r[key]
-    return out
-
-
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_mace_unmodified_through_dispatch(serial, model_file, nranks):
     system, ref = serial
@@ -104,13 +102,15 @@ def test_mace_unmodified_through_dispatch(serial, model_file, nranks):
     for key, full in (("per_atom", ref["node_energy"]), ("forces", ref["forces"])):
         pieces = [(r[key], rows_of(r["ids"], system.ids)) for r in res]
         assert_shards_cover(pieces, full, f"{key} {where}", disjoint=True)
-    e, f, s = res[0]["energy"], _by_id(res, "forces", system), res[0]["stress"]
+    e, f, s = res[0]["energy"], by_id(res, "forces", system.ids), res[0]["stress"]
     # the bounds, then the harness's (tighter) round-off gate with its evidence line
     assert float((e - ref["energy"][0]).abs() / ref["energy"][0].abs()) <= 1e-10
     assert float((f - ref["forces"]).abs().max()) <= 1e-9
     assert float((s - ref["stress"]).abs().max()) <= 1e-9
     assert_parity(e, ref["energy"][0], grid=gid, what=f"energy {where}")
-    assert_parity(_by_id(res, "per_atom", system), ref["node_energy"], grid=gid, what=f"node energy {where}")
+    assert_parity(
+        by_id(res, "per_atom", system.ids), ref["node_energy"], grid=gid, what=f"node energy {where}"
+    )
     assert_parity(f, ref["forces"], grid=gid, what=f"forces {where}")
     assert_parity(s, ref["stress"], grid=gid, what=f"stress {where}")
 

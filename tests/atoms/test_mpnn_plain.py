@@ -34,6 +34,7 @@ from twinshard.testing import (
     assert_random_grad_output,
     assert_replicated,
     assert_shards_cover,
+    by_id,
     rows_of,
     run_on_world,
 )
@@ -154,16 +155,6 @@ def _serial(force_loss=False):
     return out
 
 
-def _by_id(results, key, system):
-    pos = {int(i): k for k, i in enumerate(system.ids.tolist())}
-    first = results[0][key]
-    out = torch.full((system.n_atoms,) + tuple(first.shape[1:]), float("nan"), dtype=first.dtype)
-    for r in results:
-        idx = torch.tensor([pos[int(i)] for i in r["ids"].tolist()], dtype=torch.int64)
-        out[idx] = r[key]
-    return out
-
-
 def test_plain_model_is_the_hand_written_one():
     """Same math and parameter names: serial energies, forces and stress agree to round-off."""
     plain, hand = make_model(), MessagePassingPotential(**KW)
@@ -193,7 +184,7 @@ def test_plain_mpnn_unmodified_through_dispatch(nranks):
     for key, full in (("per_atom", ref.per_atom), ("forces", ref.forces), ("grad_x", s["grad_x"])):
         pieces = [(r[key], rows_of(r["ids"], system.ids)) for r in res]
         assert_shards_cover(pieces, full, f"{key} {where}", disjoint=True)
-        assert_parity(_by_id(res, key, system), full, grid=gid, what=f"{key} {where}")
+        assert_parity(by_id(res, key, system.ids), full, grid=gid, what=f"{key} {where}")
     assert_parity(res[0]["stress"], ref.stress, grid=gid, what=f"stress {where}")
     assert_random_grad_output(res[0]["grad_x"])
     assert_grads_finite_nonzero(res[0]["grad_params"], where)
@@ -221,7 +212,7 @@ def test_negative_control_local_only_handler_fails_parity(plant, what):
     if what in ("energy", "stress"):
         actual, expected = res[0][what], getattr(ref, what)
     else:
-        actual, expected = _by_id(res, what, system), getattr(ref, what)
+        actual, expected = by_id(res, what, system.ids), getattr(ref, what)
     with pytest.raises(AssertionError, match=f"parity of {what} with {plant} local-only .* fails"):
         assert_parity(actual, expected, what=f"{what} with {plant} local-only", grid="2")
 

@@ -210,6 +210,26 @@ def rows_of(ids: torch.Tensor, full_ids: torch.Tensor) -> torch.Tensor:
     return perm[pos]
 
 
+def by_id(
+    results: Sequence[Mapping[str, Any]], key: str, full_ids: torch.Tensor, ids: str = "ids"
+) -> torch.Tensor:
+    """Every rank's per-atom ``result[key]`` (rows named by ``result[ids]``) assembled in the order
+    of ``full_ids`` (the serial system's ids). Raises unless every atom is owned by exactly one rank."""
+    first = results[0][key]
+    out = torch.full((len(full_ids),) + tuple(first.shape[1:]), float("nan"), dtype=first.dtype)
+    seen = torch.zeros(len(full_ids), dtype=torch.int64)
+    for r in results:
+        rows = rows_of(r[ids], full_ids)
+        out[rows] = r[key].to(out.device)
+        seen[rows] += 1
+    if not bool((seen == 1).all()):
+        raise AssertionError(
+            f"{key}: atoms {full_ids[seen != 1][:5].tolist()} are owned by {seen[seen != 1][:5].tolist()} "
+            "ranks (each atom must be owned by exactly one)"
+        )
+    return out
+
+
 def assert_shards_cover(
     pieces: Sequence[Piece | Sequence[Piece]],
     full: torch.Tensor,
