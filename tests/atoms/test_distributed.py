@@ -118,10 +118,6 @@ def _serial(kind, name):
     return system, ref, grads[0], dict(zip(names, grads[1:]))
 
 
-def _by_id(results, key, system):  # kept for test_lj_fast's import
-    return by_id(results, key, system.ids)
-
-
 CASES = [
     # (potential, system, ranks, grid)
     ("lj", "fcc", 1, None),

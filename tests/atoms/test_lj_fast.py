@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _planted import planted
-from test_distributed import SKIN, _by_id, make_potential, make_system
+from test_distributed import SKIN, make_potential, make_system
 
 from twinshard.atoms.distributed import DistributedPotential
 from twinshard.atoms.neighbors import VerletList, half_of, neighbor_list
@@ -21,7 +21,14 @@ from twinshard.atoms.potentials import LennardJones, evaluate, lj, lj_kernels
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.structures import triclinic_argon
 from twinshard.atoms.system import System
-from twinshard.testing import assert_parity, assert_replicated, assert_shards_cover, rows_of, run_on_world
+from twinshard.testing import (
+    assert_parity,
+    assert_replicated,
+    assert_shards_cover,
+    by_id,
+    rows_of,
+    run_on_world,
+)
 
 FIELDS = ("energy", "per_atom", "forces", "virial", "stress")
 
@@ -254,7 +261,7 @@ def test_distributed_analytic_equals_serial_autograd(name, nranks, grid):
     for key, full in (("per_atom", ref.per_atom), ("forces", ref.forces)):
         pieces = [(r[key], rows_of(r["ids"], system.ids)) for r in res]
         assert_shards_cover(pieces, full, f"{key} (analytic) {where}", disjoint=True)
-        assert_parity(_by_id(res, key, system), full, grid=gid, what=f"{key} (analytic) {where}")
+        assert_parity(by_id(res, key, system.ids), full, grid=gid, what=f"{key} (analytic) {where}")
     assert_parity(res[0]["virial"], ref.virial, grid=gid, what=f"virial (analytic) {where}", checks=checks)
     if system.volume > 0:
         assert_parity(res[0]["stress"], ref.stress, grid=gid, what=f"stress (analytic) {where}")
@@ -276,4 +283,4 @@ def test_negative_control_misrouted_reverse_sum_is_caught():
     res = run_on_world(_rank_fast, 2, "fcc", (1, 2, 1), "halo_reverse_misrouted")
     assert_parity(res[0]["energy"], ref.energy, what="energy, misrouted reverse (not seen)")
     with pytest.raises(AssertionError, match="parity of forces, misrouted reverse sum .* fails"):
-        assert_parity(_by_id(res, "forces", system), ref.forces, what="forces, misrouted reverse sum")
+        assert_parity(by_id(res, "forces", system.ids), ref.forces, what="forces, misrouted reverse sum")

@@ -54,6 +54,7 @@ from twinshard.testing import (
     assert_random_grad_output,
     assert_replicated,
     assert_shards_cover,
+    by_id,
     rows_of,
     run_on_world,
 )
@@ -297,15 +298,6 @@ def _rank_model(nranks, variant=None, system_name="fcc", scope=True):
     }
 
 
-def _by_id(results, key, system):
-    """Every rank's owned rows of ``key`` in the serial system's order (NaN where none)."""
-    first = results[0][key]
-    out = torch.full((system.n_atoms,) + tuple(first.shape[1:]), float("nan"), dtype=first.dtype)
-    for r in results:
-        out[rows_of(r["ids"], system.ids)] = r[key]
-    return out
-
-
 def _check_model(res, s, where, gid):
     system = s["system"]
     assert all("error" not in r for r in res), [r.get("error") for r in res]
@@ -334,7 +326,7 @@ def _check_model(res, s, where, gid):
     for key in ("per_atom", "forces", "grad_x"):
         pieces = [(r[key], rows_of(r["ids"], system.ids)) for r in res]
         assert_shards_cover(pieces, s[key], f"{key} {where}", disjoint=True)
-        assert_parity(_by_id(res, key, system), s[key], grid=gid, what=f"{key} {where}")
+        assert_parity(by_id(res, key, system.ids), s[key], grid=gid, what=f"{key} {where}")
     assert_random_grad_output(res[0]["grad_x"])
     assert_grads_finite_nonzero({"coef": res[0]["coef"], "coef (g)": res[0]["coef_g"]}, where)
     assert_parity(res[0]["coef"], s["coef"], grid=gid, what=f"dE/dcoef {where}")
@@ -369,7 +361,7 @@ def test_rank_without_halo_completes():
 def test_negative_control_output_declared_as_is_fails_parity(variant, what):
     s = _serial()
     res = run_on_world(_rank_model, 2, 2, variant)
-    actual = res[0][what] if what == "energy" else _by_id(res, what, s["system"])
+    actual = res[0][what] if what == "energy" else by_id(res, what, s["system"].ids)
     with pytest.raises(AssertionError, match=f"parity of {what} with {variant} .* fails"):
         assert_parity(actual, s[what], grid="2", what=f"{what} with {variant}")
 
