@@ -1,9 +1,10 @@
 """``twinshard bench pair`` figures and the pair demo rows.
 
 The bench runs serial and CP forward + backward on every rank; these tests hold its
-measurements to the design targets: saved-for-backward bytes per rank <= 1.25 x serial / P
-and one triangle multiplication forward's ledger bytes per rank <= 1.25 x 2 N^2 h / sqrt(P)
-(at 2x2 and 3x3, N divisible by the grid so padding does not blur the ratio).
+measurements to the design targets: saved-for-backward bytes per rank <= 1.25 x serial / P,
+peak tensor memory per rank <= 1.3 x serial / P (square and rectangular grids, padded N
+included: 23 tokens padded to 24 on 3x2, where padding alone costs (24/23)^2 = 1.09), and
+one triangle multiplication forward's ledger bytes per rank <= 1.25 x 2 N^2 h / sqrt(P).
 """
 
 from __future__ import annotations
@@ -39,21 +40,34 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize(
-    "op,grid",
-    [("trimul-out", "2x2"), ("trimul-in", "3x3"), ("opm", "2x2"), ("opm", "3x3"), ("opm", "2x3")],
+    "op,grid,tokens",
+    [
+        ("trimul-out", "2x2", 24),
+        ("trimul-in", "3x3", 24),
+        ("opm", "2x2", 24),
+        ("opm", "3x3", 24),
+        ("opm", "2x3", 24),
+        ("trimul-out", "2x3", 24),
+        ("trimul-in", "3x2", 23),
+        ("opm", "3x2", 23),
+    ],
 )
-def test_bench_pair_memory_and_comm_targets(op, grid, capsys):
-    res = bench_pair.run(_args("--op", op, "--grid", grid, "--tokens", "24", "--json"))
+def test_bench_pair_memory_and_comm_targets(op, grid, tokens, capsys):
+    res = bench_pair.run(_args("--op", op, "--grid", grid, "--tokens", str(tokens), "--json"))
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == json.loads(json.dumps(res))  # the JSON line is the result
     assert set(KEYS) <= set(res)
-    P = {"2x2": 4, "3x3": 9, "2x3": 6}[grid]
+    P = {"2x2": 4, "3x3": 9, "2x3": 6, "3x2": 6}[grid]
     assert len(res["saved_bytes_per_rank"]) == len(res["comm_bytes_per_rank"]) == P
     # parity in fp64 (the parity tests check default tolerances; here: the bench agrees)
     for k in ("max_abs_error_out", "max_abs_error_grad_inputs", "max_abs_error_grad_params"):
         assert res[k] < 1e-11, (k, res[k])
     per_rank = res["serial_saved_bytes"] / P
     assert max(res["saved_bytes_per_rank"]) <= 1.25 * per_rank, res["saved_bytes_per_rank"]
+    # peak tensor memory: 1.3 x serial / P on every grid; the 2x2 triangle multiplication may not
+    # exceed the 1.17 it had before the batched-matmul kernels (measured 1.15)
+    limit = 1.17 if (op.startswith("trimul") and grid == "2x2") else 1.3
+    assert res["peak_ratio_vs_serial_over_p"] <= limit, (res["peak_ratio_vs_serial_over_p"], limit)
     assert all(b > 0 for b in res["comm_bytes_per_rank"])  # sharding active: tiles moved
     if op.startswith("trimul"):
         assert max(res["comm_bytes_per_rank"]) <= 1.25 * res["comm_lower_bound_bytes"]

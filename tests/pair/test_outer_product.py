@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from twinshard.pair.features import PairLayout, collect_grad, collect_tensor, real_part, shard_tensor
-from twinshard.pair.layers import contraction
+from twinshard.pair.layers import contraction, stationary
 from twinshard.pair.layers.outer_product import CPOuterProductMean
 from twinshard.pair.reference.outer_product import OuterProductMean
 from twinshard.testing import (
@@ -105,10 +105,16 @@ def _no_transpose(t, trans):
     return t  # planted bug: a mirrored tile used untransposed
 
 
+def _drop_received_partial(received, part):
+    return part  # planted bug: the partial that travelled the ring is dropped, not summed
+
+
 def _rank_opm(grid, b, s, n, bug=None):
-    saved = contraction._orient
+    saved = contraction._orient, stationary._merge_partial
     if bug == "transpose":  # test scope: restored below, even on error
         contraction._orient = _no_transpose
+    elif bug == "partial":
+        stationary._merge_partial = _drop_received_partial
     try:
         serial = _serial_opm()
         twin = CPOuterProductMean(CM, H, CZ).double()
@@ -128,7 +134,7 @@ def _rank_opm(grid, b, s, n, bug=None):
             params=parameter_signature(twin),
         )
     finally:
-        contraction._orient = saved
+        contraction._orient, stationary._merge_partial = saved
 
 
 def _check(grid, b, s, n, ranks):
@@ -163,4 +169,13 @@ def test_cp_opm_negative_control_transposed_tile():
     grid, s, n = (2, 2), 4, 4  # square MSA tiles, so the planted bug runs and must fail parity
     ranks = run_on_grid(_rank_opm, grid, 1, s, n, "transpose")
     with pytest.raises(AssertionError, match=r"opm S=4 N=4 B=1: out: rank \d's piece differs"):
+        _check(grid, 1, s, n, ranks)
+
+
+def test_cp_opm_negative_control_dropped_partial():
+    # The backward's partial gradients travel while the next product runs (overlap); a partial
+    # received and then dropped instead of summed must show in the MSA gradient.
+    grid, s, n = (2, 2), 4, 4
+    ranks = run_on_grid(_rank_opm, grid, 1, s, n, "partial")
+    with pytest.raises(AssertionError, match=r"parity of opm S=4 N=4 B=1 d/dm on grid 2x2 fails"):
         _check(grid, 1, s, n, ranks)

@@ -170,6 +170,19 @@ class _SkewedFetch(contraction._Fetch):
 
 
 _K_SEGMENTS = contraction.k_segments
+_CHUNKS = contraction._chunks
+
+
+def _last_chunk_dropped(n, parts):
+    """Planted bug: the ring's last channel chunk is never multiplied nor moved (Cannon, bmm)."""
+    return _CHUNKS(n, parts)[:-1]
+
+
+class _PiecesAtOrigin(contraction._Fetch):
+    """Planted bug: every SUMMA piece lands at the start of its block (offsets dropped)."""
+
+    def wait_pieces(self):
+        return [[(0, 0, p) for _, _, p in pieces] for pieces in super().wait_pieces()]
 
 
 def _segments_off_by_one(k, kx, ky):
@@ -186,13 +199,23 @@ def _skip_grad_reduce(params, like):
 def planted(bug):
     """Plant one bug in the contraction or gradient code for the duration of a rank function
     (test scope: the module attributes are restored afterwards, even on error)."""
-    saved = (contraction._Fetch, contraction._orient, contraction.k_segments, tokenwise.replicated_params)
+    saved = (
+        contraction._Fetch,
+        contraction._orient,
+        contraction.k_segments,
+        tokenwise.replicated_params,
+        contraction._chunks,
+    )
     if bug == "skew":  # the first operand skewed one step too far
         contraction._Fetch = _SkewedFetch
     elif bug == "transpose":  # a mirrored tile used untransposed
         contraction._orient = lambda t, trans: t
     elif bug == "segment":  # an off-by-one SUMMA k-segment (rectangular grids)
         contraction.k_segments = _segments_off_by_one
+    elif bug == "chunk":  # the Cannon ring's last channel chunk skipped
+        contraction._chunks = _last_chunk_dropped
+    elif bug == "pieces":  # SUMMA pieces accumulated at the wrong block
+        contraction._Fetch = _PiecesAtOrigin
     elif bug == "grad_reduce":  # parameter gradients never summed
         tokenwise.replicated_params = _skip_grad_reduce
     elif bug is not None:
@@ -201,7 +224,7 @@ def planted(bug):
         yield
     finally:
         contraction._Fetch, contraction._orient, contraction.k_segments = saved[:3]
-        tokenwise.replicated_params = saved[3]
+        tokenwise.replicated_params, contraction._chunks = saved[3:]
 
 
 def _rank_trimul(grid, directions, b, n, bug=None):
@@ -267,6 +290,8 @@ CONTROLS = [
     ("transpose", (2, 2), 6, "incoming", r"trimul-incoming N=6 B=1: out: rank \d's piece differs"),
     ("segment", (2, 3), 13, "outgoing", r"trimul-outgoing N=13 B=1: out: rank \d's piece differs"),
     ("segment", (2, 3), 13, "incoming", r"trimul-incoming N=13 B=1: out: rank \d's piece differs"),
+    ("chunk", (2, 2), 6, "outgoing", r"trimul-outgoing N=6 B=1: out: rank \d's piece differs"),
+    ("pieces", (2, 3), 13, "incoming", r"trimul-incoming N=13 B=1: out: rank \d's piece differs"),
     ("grad_reduce", (2, 2), 6, "outgoing", r"parameter gradients\[norm_in.weight\] is not replicated"),
 ]
 

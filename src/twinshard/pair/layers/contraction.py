@@ -46,19 +46,19 @@ the k-cuts of SUMMA from :func:`k_segments`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from twinshard.comm import primitives as P
+from twinshard.pair.layers.fetch import Range, Tiled, _Fetch
+from twinshard.pair.layers.stationary import _cannon_stationary, _stationary_product, _summa_stationary
 from twinshard.runtime.grid import ProcessGrid
 from twinshard.tensors.dtensor import block_range
 
 __all__ = ["Contraction", "Tiled", "grid_contract", "grid_matmul", "k_segments", "schedule_name"]
-
-Range = tuple[int, int]
 
 
 def schedule_name(shape: tuple[int, int]) -> str:
@@ -66,24 +66,6 @@ def schedule_name(shape: tuple[int, int]) -> str:
     if shape[0] * shape[1] == 1:
         return "serial"
     return "cannon" if shape[0] == shape[1] else "summa"
-
-
-def _inter(a: Range, b: Range) -> Range | None:
-    lo, hi = max(a[0], b[0]), min(a[1], b[1])
-    return (lo, hi) if lo < hi else None
-
-
-@dataclass(frozen=True)
-class Tiled:
-    """A stored matrix operand: its local tile and global (rows, cols) on the grid."""
-
-    tile: torch.Tensor
-    rows: int
-    cols: int
-
-    def owned(self, grid: ProcessGrid, rank: int) -> tuple[Range, Range]:
-        r, c = grid.coords_of(rank)
-        return block_range(self.rows, grid.rows, r), block_range(self.cols, grid.cols, c)
 
 
 def _orient(t: torch.Tensor, trans: bool) -> torch.Tensor:
@@ -122,99 +104,6 @@ def _product(
     elif kernel != "bmm":
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     return torch.bmm(xo, yo) if acc is None else acc.baddbmm_(xo, yo)
-
-
-class _Fetch:
-    """Pieces of several stored operands moved by sparse exchanges (one per operand, at most one
-    message per peer each), posted at construction and collected by :meth:`wait` /
-    :meth:`wait_pieces`.
-
-    ``wants[i][rank]`` is the (rows, cols) range of operand i, in stored orientation, that
-    ``rank`` needs. Every rank derives every peer's wants from replicated metadata, so all
-    agree on who sends what without a handshake. A piece this rank holds itself never travels
-    (a view of its tile); a piece wanted by several peers (a SUMMA row or column broadcast) is
-    made contiguous once and that buffer goes to each of them; a piece arrives in its own buffer
-    (nothing is concatenated or assembled unless :meth:`wait` is asked for whole tiles).
-    """
-
-    def __init__(
-        self,
-        grid: ProcessGrid,
-        ops: Sequence[Tiled],
-        wants: Sequence[Callable[[int], tuple[Range, Range]]],
-        op: str,
-    ):
-        me = grid.rank
-        self.ops, self.mine = ops, [w(me) for w in wants]
-        dtype = ops[0].tile.dtype
-        self._local: list[list[tuple[Range, Range, torch.Tensor]]] = []
-        self._recv: list[list[tuple[Range, Range]]] = []
-        self._pending = []
-        for i, (x, want) in enumerate(zip(ops, wants)):
-            (r0, r1), (c0, c1) = x.owned(grid, me)
-            sends: list[tuple[int, torch.Tensor]] = []
-            flat: dict[tuple[Range, Range], torch.Tensor] = {}
-            local = []
-            for peer in range(grid.size):
-                pr, pc = want(peer)
-                ir, ic = _inter((r0, r1), pr), _inter((c0, c1), pc)
-                if not (ir and ic):
-                    continue
-                piece = x.tile[:, ir[0] - r0 : ir[1] - r0, ic[0] - c0 : ic[1] - c0]
-                if peer == me:
-                    local.append((ir, ic, piece))
-                    continue
-                if (ir, ic) not in flat:
-                    flat[(ir, ic)] = piece.to(dtype).contiguous().view(-1)
-                sends.append((peer, flat[(ir, ic)]))
-            recv, recvs = [], []
-            for peer in range(grid.size):
-                if peer == me:
-                    continue
-                orr, oc = x.owned(grid, peer)
-                ir, ic = _inter(orr, self.mine[i][0]), _inter(oc, self.mine[i][1])
-                if ir and ic:
-                    recv.append((ir, ic))
-                    recvs.append((peer, (self._numel(i, ir, ic),)))
-            self._local.append(local)
-            self._recv.append(recv)
-            self._pending.append(P.exchange(sends, recvs, dtype=dtype, op=op, async_op=True))
-
-    def _numel(self, i: int, ir: Range, ic: Range) -> int:
-        t = self.ops[i].tile
-        n = (ir[1] - ir[0]) * (ic[1] - ic[0]) * t.shape[0]
-        for s in t.shape[3:]:
-            n *= s
-        return n
-
-    def wait_pieces(self) -> list[list[tuple[int, int, torch.Tensor]]]:
-        """Per operand: ``(row offset, col offset, piece)`` within the wanted range, covering it."""
-        outs = []
-        for i, (x, pending) in enumerate(zip(self.ops, self._pending)):
-            (r0, _), (c0, _) = self.mine[i]
-            t = x.tile
-            pieces = [(ir[0] - r0, ic[0] - c0, p) for ir, ic, p in self._local[i]]
-            for (ir, ic), buf in zip(self._recv[i], pending.wait()):
-                shape = (t.shape[0], ir[1] - ir[0], ic[1] - ic[0]) + tuple(t.shape[3:])
-                pieces.append((ir[0] - r0, ic[0] - c0, buf.view(shape)))
-            outs.append(pieces)
-        self._pending = []
-        return outs
-
-    def wait(self) -> list[torch.Tensor]:
-        """Per operand: the whole wanted range as one tensor (a piece as received or held when
-        it is the whole range, else the pieces copied into a new tile)."""
-        outs = []
-        for (x, ((r0, r1), (c0, c1))), pieces in zip(zip(self.ops, self.mine), self.wait_pieces()):
-            if len(pieces) == 1:
-                outs.append(pieces[0][2])
-                continue
-            t = x.tile
-            out = t.new_empty((t.shape[0], r1 - r0, c1 - c0) + tuple(t.shape[3:]))
-            for ro, co, p in pieces:
-                out[:, ro : ro + p.shape[1], co : co + p.shape[2]].copy_(p)
-            outs.append(out)
-        return outs
 
 
 def grid_matmul(
@@ -444,183 +333,6 @@ def _new_acc(
     one = _product(kernel, equation, xo[:, :, :1], yo[:, :1], None, ct)
     rs, cs = one.shape[1] // xo.shape[1], one.shape[2] // yo.shape[2]
     return one.new_zeros((one.shape[0], m * rs, n * cs) + tuple(one.shape[3:]))
-
-
-def _stationary_product(
-    kernel: str,
-    equation: str,
-    which: str,
-    wt: torch.Tensor,
-    dz: torch.Tensor,
-    acc: torch.Tensor | None,
-    ct: torch.dtype,
-    nch: int,
-) -> torch.Tensor:
-    """One block of a stationary-dZ gradient, accumulated in place: ``W dZ^T`` (``which="x"``)
-    or ``W dZ`` (``"y"``) for an operand tile ``W[B, kb, n, ch]``. With ``kernel="outer"``,
-    ``dz`` is the matrix form ``[B, I*c, J*d]`` (laid out once per backward) and the result a
-    ``[B, kb, n, nch]`` view of one batched matmul; else ``dz`` is the ``[B, I, J, c, d]`` tile
-    and ``equation`` the einsum."""
-    if wt.dtype != ct:
-        wt = wt.to(ct)
-    if kernel == "outer":
-        wf = wt.reshape(wt.shape[0], wt.shape[1], -1)
-        rhs = dz.transpose(1, 2) if which == "x" else dz
-        if acc is None:
-            return torch.bmm(wf, rhs).view(wt.shape[0], wt.shape[1], -1, nch)
-        acc.view(acc.shape[0], acc.shape[1], -1).baddbmm_(wf, rhs)
-        return acc
-    part = torch.einsum(equation, wt, dz.transpose(1, 2) if which == "x" else dz)
-    return part if acc is None else acc.add_(part)
-
-
-def _cannon_stationary(
-    grid: ProcessGrid,
-    dz: torch.Tensor,
-    w: torch.Tensor,
-    which: str,
-    equation: str,
-    tag: str,
-    kernel: str = "einsum",
-    ct: torch.dtype = torch.float64,
-    nch: int = 0,
-) -> torch.Tensor:
-    """Gradient of ``Z = X^T Y`` (X, Y stored [K, N] like MSA tiles) with dZ kept in place.
-
-    Rank (r, c) holds ``dZ[I_r, J_c]`` and at step t works on k-block ``k = r + c + t``:
-    - ``which="x"``: ``dX[k, I_r] += sum_j Y[k, J_c] dZ[I_r, J_c]^T``; Y's tiles move up the
-      grid column (Cannon's Y skew and shift), the partial dX moves left along the row;
-    - ``which="y"``: ``dY[k, J_c] += sum_i X[k, I_r] dZ[I_r, J_c]``; X's tiles move left
-      along the row (Cannon's transposing X skew and shift), the partial dY moves up.
-    After q steps every partial holds all q contributions; one permutation delivers it to
-    its owner. Per rank: 1 skew + (q - 1) operand shifts + (q - 1) partial shifts + 1
-    delivery, each one K x N / P tile with X's channels; dZ never moves.
-    """
-    q = grid.rows
-    r, c = grid.coords
-    rows, cols = w.shape[1] * q, w.shape[2] * q
-
-    def want(rank: int) -> tuple[Range, Range]:
-        rr, cc = grid.coords_of(rank)
-        br, bc = ((rr + cc) % q, cc) if which == "x" else ((rr + cc) % q, rr)
-        return block_range(rows, q, br), block_range(cols, q, bc)
-
-    (wt,) = _Fetch(grid, [Tiled(w, rows, cols)], [want], op=f"{tag}:skew").wait()
-    if which == "x":  # operand up the column, partial left along the row
-        w_to, w_from = grid.rank_of((r - 1, c)), grid.rank_of((r + 1, c))
-        p_to, p_from = grid.rank_of((r, c - 1)), grid.rank_of((r, c + 1))
-        deliver_to, deliver_from = grid.rank_of((r + c - 1, r)), grid.rank_of((c, r - c + 1))
-    else:  # operand left along the row, partial up the column
-        w_to, w_from = grid.rank_of((r, c - 1)), grid.rank_of((r, c + 1))
-        p_to, p_from = grid.rank_of((r - 1, c)), grid.rank_of((r + 1, c))
-        deliver_to, deliver_from = grid.rank_of((r + c - 1, c)), grid.rank_of((r - c + 1, c))
-
-    def shift_operand(wt: torch.Tensor) -> Any:
-        return P.exchange(
-            [(w_to, wt)], [(w_from, tuple(wt.shape))], dtype=wt.dtype, op=f"{tag}:ring_shift", async_op=True
-        )
-
-    # Step t: the partial of step t - 1 travels while this step multiplies (c_t = W_t dZ in a
-    # buffer of its own), then c_t is added to the partial received; the next operand tile
-    # travels during the same product.
-    pend_w = shift_operand(wt) if q > 1 else None
-    acc = _stationary_product(kernel, equation, which, wt, dz, None, ct, nch)
-    for t in range(1, q):
-        pend_p = P.exchange(
-            [(p_to, acc)],
-            [(p_from, tuple(acc.shape))],
-            dtype=acc.dtype,
-            op=f"{tag}:partial_shift",
-            async_op=True,
-        )
-        (wt,) = pend_w.wait()
-        pend_w = shift_operand(wt) if t < q - 1 else None
-        part = _stationary_product(kernel, equation, which, wt, dz, None, ct, nch)
-        (got,) = pend_p.wait()
-        acc = got.add_(part)
-        del part
-    (out,) = P.exchange(
-        [(deliver_to, acc)], [(deliver_from, tuple(acc.shape))], dtype=acc.dtype, op=f"{tag}:deliver"
-    )
-    return out
-
-
-def _summa_stationary(
-    grid: ProcessGrid,
-    dz: torch.Tensor,
-    w: torch.Tensor,
-    which: str,
-    equation: str,
-    tag: str,
-    kernel: str = "einsum",
-    ct: torch.dtype = torch.float64,
-    nch: int = 0,
-) -> torch.Tensor:
-    """The rectangular-grid form of :func:`_cannon_stationary` (same contractions, dZ in place).
-
-    For each k-block (grid row k of the stored [K, N] operands): fetch the operand piece this
-    rank's dZ tile multiplies (``Y[k, J_c]``, one tile from rank (k, c); or ``X[k, I_r]``,
-    pieces from grid row k), form the partial gradient, and send it to the rank(s) of grid
-    row k owning those columns, which sum what they receive in a fixed order. Per rank over
-    the loop: ``K N / R`` (or ``K N / C``) operand elements in and the same order of partial
-    elements out, with X's channels; dZ never moves.
-    """
-    R, C = grid.rows, grid.cols
-    r, c = grid.coords
-    kb, nb = w.shape[1], w.shape[2]  # stored tile: K / R rows, N / C cols
-    K, N = kb * R, nb * C
-    nr = N // R  # dZ rows block (tokens over grid rows)
-    out = None
-    mine_cols = block_range(N, C, c)
-
-    def fetch(k: int) -> _Fetch:
-        def want(rank: int) -> tuple[Range, Range]:
-            rr, cc = grid.coords_of(rank)
-            return block_range(K, R, k), (block_range(N, C, cc) if which == "x" else block_range(N, R, rr))
-
-        return _Fetch(grid, [Tiled(w, K, N)], [want], op=f"{tag}:summa_fetch")
-
-    def add_received(pending: Any, recvs: list[tuple[int, Range]]) -> None:
-        for (_, hit), piece in zip(recvs, pending.wait()):
-            out[:, :, hit[0] - mine_cols[0] : hit[1] - mine_cols[0]] += piece
-
-    # The next k-block's operand and this block's partials travel while the next block multiplies;
-    # received partials are summed in k order, so the sum is the one of a blocking loop.
-    nxt, scatter = fetch(0), None
-    for k in range(R):
-        (wk,) = nxt.wait()
-        if k + 1 < R:
-            nxt = fetch(k + 1)
-        part = _stationary_product(kernel, equation, which, wk, dz, None, ct, nch)
-        del wk
-        if which == "x":  # partial dX[k, I_r]: to the owners (k, c') of the columns of I_r
-            sends = []
-            for c2 in range(C):
-                hit = _inter(block_range(N, R, r), block_range(N, C, c2))
-                if hit:
-                    piece = part[:, :, hit[0] - r * nr : hit[1] - r * nr]
-                    sends.append((grid.rank_of((k, c2)), piece.contiguous()))
-            recvs = []
-            if r == k:
-                for r2 in range(R):
-                    hit = _inter(block_range(N, R, r2), mine_cols)
-                    if hit:
-                        for c2 in range(C):
-                            recvs.append((grid.rank_of((r2, c2)), hit))
-        else:  # partial dY[k, J_c]: to the owner (k, c), summed over the grid column
-            sends = [(grid.rank_of((k, c)), part)]
-            recvs = [(grid.rank_of((r2, c)), mine_cols) for r2 in range(R)] if r == k else []
-        if out is None:  # the gradient tile: X's (or Y's) stored tile with the partial's channels
-            out = part.new_zeros(w.shape[:3] + part.shape[3:])
-        if scatter is not None:
-            add_received(*scatter)
-        shapes = [(p, out.shape[:2] + (h[1] - h[0],) + out.shape[3:]) for p, h in recvs]
-        pending = P.exchange(sends, shapes, dtype=out.dtype, op=f"{tag}:partial_scatter", async_op=True)
-        scatter = (pending, recvs)
-        del part, sends
-    add_received(*scatter)
-    assert out is not None  # R >= 1 iterations ran
-    return out
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ arriving grid-transposed, SUMMA over s-segments otherwise). The pair counts
 tile x c_hidden^2 (the accumulator) exists on any rank.
 
 Collectives. Forward: the contraction of the ``a``/``b`` MSA tiles (c_hidden channels)
-and of the mask (1 channel): Cannon skew + q - 1 ring shifts, or R + C - 1 segment
-exchanges. Backward: ``dO`` (c_hidden^2 channels) never moves. For ``dA`` and ``dB`` the
+and of the mask (1 channel): Cannon skew + q - 1 ring shifts, or one exchange per operand per
+s-segment. Backward: ``dO`` (c_hidden^2 channels) never moves. For ``dA`` and ``dB`` the
 ``b``/``a`` MSA tiles travel to the ``dO`` tiles and the partial gradients (MSA tiles)
 travel to their owners: on square grids ring shifts plus one delivery, on rectangular
 grids one operand fetch and one partial scatter per grid row (~2-3x the forward's bytes
-in all). Plus one all-reduce of the flat parameter gradient over the grid (>= fp32).
+in all); the partials of one step travel while the next step's product runs. Plus one all-reduce of the flat parameter gradient over the grid (>= fp32).
 
 Memory saved for backward per rank: the serial module's activations for one MSA tile
 (LayerNorm, projections, ``a``/``b``) and one pair tile (the ``proj_o`` input, tile x
