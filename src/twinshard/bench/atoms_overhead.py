@@ -35,7 +35,7 @@ import argparse
 from typing import Any
 
 from twinshard.atoms.driver import COLLECTIVE_TIMEOUT
-from twinshard.bench.atoms import _bench_system, _median, _ranks, mace_model, warmups
+from twinshard.bench.atoms_eval import _median, _ranks, bench_system, mace_model, warmups
 from twinshard.runtime import shared_pool
 
 __all__ = ["overhead_rank", "reference_rank", "run_overhead"]
@@ -82,7 +82,7 @@ def reference_rank(opts: dict[str, Any]) -> dict[str, Any]:
     from twinshard.atoms.plain_inputs import evaluate_plain
 
     _, plain = _models(opts)
-    system = _bench_system(opts, 1, _species(opts, plain))
+    system = bench_system(opts, 1, _species(opts, plain))
     res = evaluate_plain(plain, system, bool(opts["stress"]))
     return {"ids": system.ids, "energy": res.energy, "forces": res.forces, "virial": res.virial}
 
@@ -111,7 +111,7 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
     world = require_world("twinshard bench atoms --mode overhead")
     nranks = world.size
     hooks, plain = _models(opts)
-    system = _bench_system(opts, 1, _species(opts, plain)) if world.rank == 0 else None
+    system = bench_system(opts, 1, _species(opts, plain)) if world.rank == 0 else None
     skin, stress = float(opts["skin"]), bool(opts["stress"])
     sharded = ShardedSystem.scatter(system, 0, cutoff=float(plain.cutoff), skin=skin)
     legs: dict[str, Any] = {}
