@@ -257,6 +257,47 @@ MUTATIONS: list[Mutation] = [
         "return x.clone()",
         ("tests/tensors/test_dispatch.py",),
     ),
+    M(
+        "lazy_halo_reverse_skipped",
+        "dropped halo sum",
+        "tensors/dispatch.py",
+        "local = index.numel() > 0 and bool(index.max() >= n_owned)",
+        "local = False",
+        ("tests/tensors/test_dispatch_lazy.py", "tests/atoms/test_mpnn_plain.py"),
+    ),
+    M(
+        "custom_op_halo_correct_unsummed",
+        "dropped halo sum",
+        "tensors/custom_ops.py",
+        "own = t[:n] + halo_reverse(t[n:], plan)",
+        "own = t[:n] + 0 * halo_reverse(t[n:], plan)",
+        ("tests/tensors/test_custom_ops.py",),
+    ),
+    # -- atoms: LJ kernels, graph-parallel storage
+    M(
+        "lj_kernel_j_force_dropped",
+        "dropped term",
+        "atoms/potentials/lj_kernels.py",
+        "forces[k].index_add_(0, jc, f[k]).index_add_(0, ic, f[k], alpha=-1.0)",
+        "forces[k].index_add_(0, ic, f[k], alpha=-1.0)",
+        ("tests/atoms/test_lj_fast.py",),
+    ),
+    M(
+        "lj_kernel_energy_one_side",
+        "misrouted rows",
+        "atoms/potentials/lj_kernels.py",
+        "per_atom.index_add_(0, ic, phi).index_add_(0, jc, phi)",
+        "per_atom.index_add_(0, ic, phi).index_add_(0, ic, phi)",
+        ("tests/atoms/test_lj_fast.py",),
+    ),
+    M(
+        "graph_ids_wrong_offset",
+        "off-by-one block",
+        "atoms/graph_storage.py",
+        "return torch.where(ok, (ids + off[rank]) % max(n, 1), ids)",
+        "return torch.where(ok, (ids + off[max(rank - 1, 0)]) % max(n, 1), ids)",
+        ("tests/atoms/test_graph_storage.py",),
+    ),
 ]
 
 
