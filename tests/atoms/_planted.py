@@ -106,7 +106,24 @@ def _langevin_row_keys(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(md, "_keys", keys)
 
 
+def _block_inputs_drops_wrap_shift(mp: pytest.MonkeyPatch) -> None:
+    """The dispatch inputs forget the block neighbour list's own lattice shift (wrap axes): edge
+    shifts from the rows' frames only, as when every image was a halo row."""
+    from twinshard.atoms import plain_inputs
+
+    orig = plain_inputs.block_inputs
+
+    def block_inputs(sharded, positions=None):  # noqa: ANN001, ANN202
+        data = orig(sharded, positions)
+        e, cell = sharded.edges, data["cell"][0]
+        data["shifts"] = data["shifts"] - e.cell_shifts.to(cell.dtype) @ cell
+        return data
+
+    mp.setattr(plain_inputs, "block_inputs", block_inputs)
+
+
 PLANTS = {
+    "block_inputs_drops_wrap_shift": _block_inputs_drops_wrap_shift,
     "no_param_sync": _no_param_sync,
     "halo_reverse_misrouted": _halo_reverse_misrouted,
     "halo_reverse_fp32": _halo_reverse_fp32,

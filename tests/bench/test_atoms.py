@@ -61,7 +61,9 @@ def test_bench_atoms_evaluation_lj_both_paths(tmp_path, capsys):
         assert run["max_force_error"] <= 1e-12 and run["energy_rel_error"] <= 1e-12
         assert run["max_virial_error"] <= 1e-11
         assert min(run["peak_memory_bytes_per_rank"]) > 0 and min(run["peak_rss_bytes_per_rank"]) > 0
-        assert run["ghost_shell_estimate"] > 0 and min(run["halo_atoms_per_rank"]) > 0
+        assert run["ghost_shell_estimate"] > 0
+        # P=1, periodic: images are edge shifts, no halo rows; P=2 splits one axis
+        assert min(run["halo_atoms_per_rank"]) > 0 if run["ranks"] > 1 else run["halo_atoms_per_rank"] == [0]
     fast2 = r["runs"][2]["parts_seconds_per_rank"]
     assert set(fast2) >= {"neighbor_list", "halo_forward", "pairs", "halo_reverse"}
     assert all(len(v) == 2 for v in fast2.values())
@@ -124,7 +126,9 @@ def test_bench_atoms_overhead_mpnn(capsys):
         ["dispatch", "hooks"],
     ]
     for run in r["runs"]:
-        assert run["ghost_shell_estimate"] > 0 and min(run["halo_atoms_per_rank"]) > 0
+        assert run["ghost_shell_estimate"] > 0
+        # P=1, periodic: images are edge shifts, no halo rows; P=2 splits one axis
+        assert min(run["halo_atoms_per_rank"]) > 0 if run["ranks"] > 1 else run["halo_atoms_per_rank"] == [0]
         for leg in run["legs"].values():
             assert leg["energy_rel_error"] <= 1e-14 and leg["max_force_error"] <= 1e-13 * leg["max_force"]
             assert leg["max_virial_error"] <= 1e-12

@@ -573,7 +573,10 @@ def test_halo_custom_ops(nranks):
         _assert_adjoint(*r["adj"][0], f"twinshard::halo_forward P={nranks}")
         _assert_adjoint(*r["adj"][1], f"twinshard::halo_reverse P={nranks}")
         got2, ref2 = r["double"]
-        assert float(ref2.abs().max()) > 0
+        if nranks == 1:  # a periodic block of one rank has no halo rows (images are edge shifts)
+            assert r["halo_ids"].numel() == 0 and not bool(ref2.any())
+        else:
+            assert float(ref2.abs().max()) > 0
         assert_parity(
             got2, ref2, grid=str(nranks), what=f"double backward of twinshard::halo_forward P={nranks}"
         )

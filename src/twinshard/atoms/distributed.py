@@ -13,8 +13,11 @@ Placements:
 
 Counting: each rank keeps the energies of its owned atoms only, and the block's
 edges all have owned receivers (an edge contributes to its receiver), so summed
-over ranks every atom and every edge counts exactly once. Periodic images are
-explicit halo rows, so the block has open boundaries and zero edge shifts.
+over ranks every atom and every edge counts exactly once. Along a periodic axis
+split over several ranks, periodic images are explicit halo rows (the block is
+open there); along a periodic axis with one rank (a *wrap axis*) the block stays
+periodic and its edges carry the lattice shift, as the serial list does (no image
+rows: at P=1 a periodic block has no halo at all).
 
 Collectives per evaluation:
     forward:  one halo forward exchange of the positions, plus one per
@@ -48,10 +51,10 @@ ShardedSystem, ``compute`` / ``per_atom_energies`` run a plain model (``mode="di
 and ``[S, 3, 3]`` virials and stresses).
 
 Stress: a symmetric strain leaf ``eps`` is applied to the whole padded block
-(``x -> x (I + eps)``; halo rows carry their lattice image, so this strains the
-cell too); ``dE/deps`` is summed over ranks. ``stress = (dE/deps) / V`` (ASE's
-sign: positive is tensile) for any cell with a volume (as the serial evaluator),
-``virial = -dE/deps`` always.
+(``x -> x (I + eps)``, edge shifts alike; halo rows carry their lattice image and
+edge shifts the wrap-axis images, so this strains the cell too); ``dE/deps`` is
+summed over ranks. ``stress = (dE/deps) / V`` (ASE's sign: positive is tensile)
+for any cell with a volume (as the serial evaluator), ``virial = -dE/deps`` always.
 """
 
 from __future__ import annotations
@@ -270,8 +273,9 @@ class DistributedPotential:
         block = plan.padded_positions(x, sharded.cell, vote=False)  # forward exchange, no autograd
         numbers = torch.cat([sharded.numbers, sharded.halo_numbers])
         t2 = clock()
+        shifts = half.shifts.to(block.dtype) if any(plan.wrap) else None  # None: an open block
         pair = self.module.analytic(
-            block, numbers, half.receivers, half.senders, None, compute_virial=compute_stress
+            block, numbers, half.receivers, half.senders, shifts, compute_virial=compute_stress
         )
         t3 = clock()
         n = sharded.n_owned

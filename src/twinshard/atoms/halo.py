@@ -3,16 +3,25 @@
 A rank's *halo-padded block* is ``[owned | halo]``: its owned atoms followed by
 copies (periodic images included) of every atom, owned here or elsewhere,
 that lies within the ghost width ``w = cutoff + skin`` of the rank's *box*.
+
+Wrap axes (the partition's ``wrap_axes()``: periodic with one rank along them)
+are the exception: there the block itself stays periodic (its neighbour list
+gives edges integer lattice shifts along them, as the serial list does), so no
+image along a wrap axis is a halo row, the ghost test ignores that axis, and a
+halo row sits at its owner's frame coordinate along it. At P=1 on a fully
+periodic system the block has no halo rows at all; on a ``(2, 1, 1)`` grid the
+halo is the ghost shell along x only.
 The box of a rank is, in fractional coordinates of its own frame, the union of
 its partition region (if any) and the bounding box of the atoms it owns; the
 ghost test extends it by ``w / h_a`` along axis ``a`` (``h_a`` the cell height),
 which for triclinic cells is a (slightly generous) superset of the true
 w-neighbourhood, never a subset.
 
-Each image ``(atom j, lattice shift n)`` appears at most once in a block and an
-owned atom never reappears unshifted, so nothing is counted twice. Several
-images of one atom, and images of a rank's own atoms (a rank bordering itself
-along an axis with one rank), are ordinary halo rows.
+Each image ``(atom j, lattice shift n)`` appears at most once in a block (up to
+translations along wrap axes, which are edge shifts) and an owned atom never
+reappears unshifted, so nothing is counted twice. Several images of one atom, and
+images of a rank's own atoms (a rank bordering itself along a split periodic
+axis, or a block partition of several ranks), are ordinary halo rows.
 
 :class:`HaloPlan` records, per neighbour rank, which owned rows go there and
 with which lattice shift, and how many halo rows come back. Its two exchanges:
@@ -85,31 +94,46 @@ def _empty(box: torch.Tensor) -> bool:
     return bool((box[0] > box[1]).any())
 
 
+_NO_WRAP = (False, False, False)
+
+
 def neighbour_ranks(
-    boxes: torch.Tensor, margin: torch.Tensor, pbc: tuple[bool, bool, bool], me: int
+    boxes: torch.Tensor,
+    margin: torch.Tensor,
+    pbc: tuple[bool, bool, bool],
+    me: int,
+    wrap: tuple[bool, bool, bool] = _NO_WRAP,
 ) -> list[int]:
     """Ranks (sorted, ``me`` included if it borders itself) whose boxes lie within the margin.
 
     The relation is symmetric, so both ends of every pair agree to talk.
-    ``boxes [P, 2, 3]``; ``margin [3]`` is the ghost width in fractional units.
+    ``boxes [P, 2, 3]``; ``margin [3]`` is the ghost width in fractional units. Along a
+    ``wrap`` axis the blocks are periodic: it neither separates two ranks nor makes a
+    rank border itself.
     """
     out = []
     for q in range(boxes.shape[0]):
         if q == me:
-            if _borders_itself(boxes[me], margin, pbc):
+            if _borders_itself(boxes[me], margin, pbc, wrap):
                 out.append(q)
-        elif _adjacent(boxes[min(me, q)], boxes[max(me, q)], margin, pbc):
+        elif _adjacent(boxes[min(me, q)], boxes[max(me, q)], margin, pbc, wrap):
             # evaluated in one orientation on both ranks, so rounding cannot break symmetry
             out.append(q)
     return out
 
 
 def _adjacent(
-    box_a: torch.Tensor, box_b: torch.Tensor, margin: torch.Tensor, pbc: tuple[bool, bool, bool]
+    box_a: torch.Tensor,
+    box_b: torch.Tensor,
+    margin: torch.Tensor,
+    pbc: tuple[bool, bool, bool],
+    wrap: tuple[bool, bool, bool] = _NO_WRAP,
 ) -> bool:
     if _empty(box_a) or _empty(box_b):
         return False
     for a in range(3):
+        if wrap[a]:
+            continue
         d = float(margin[a])
         lo_a, hi_a = float(box_a[0, a]), float(box_a[1, a])
         lo_b, hi_b = float(box_b[0, a]), float(box_b[1, a])
@@ -122,11 +146,20 @@ def _adjacent(
     return True
 
 
-def _borders_itself(box: torch.Tensor, margin: torch.Tensor, pbc: tuple[bool, bool, bool]) -> bool:
-    """A non-zero lattice image of the box comes within the margin along some periodic axis."""
+def _borders_itself(
+    box: torch.Tensor,
+    margin: torch.Tensor,
+    pbc: tuple[bool, bool, bool],
+    wrap: tuple[bool, bool, bool] = _NO_WRAP,
+) -> bool:
+    """A non-zero lattice image of the box comes within the margin along some periodic axis
+    (wrap axes excluded: those images are edge shifts of the block)."""
     if _empty(box):
         return False
-    return any(pbc[a] and float(box[1, a] - box[0, a]) + 2 * float(margin[a]) >= 1.0 for a in range(3))
+    return any(
+        pbc[a] and not wrap[a] and float(box[1, a] - box[0, a]) + 2 * float(margin[a]) >= 1.0
+        for a in range(3)
+    )
 
 
 def select_ghosts(
@@ -135,6 +168,7 @@ def select_ghosts(
     margin: torch.Tensor,
     pbc: tuple[bool, bool, bool],
     exclude_self: bool,
+    wrap: tuple[bool, bool, bool] = _NO_WRAP,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Owned atoms (and lattice shifts) whose images lie within ``margin`` of ``box``.
 
@@ -142,6 +176,8 @@ def select_ghosts(
         frac_frame: ``[n, 3]`` fractional coordinates of the sender's owned atoms.
         box: ``[2, 3]`` receiver's box; ``margin [3]`` ghost width in fractional units.
         exclude_self: the receiver is the sender: skip the zero shift (the atom itself).
+        wrap: axes along which the receiving block is periodic: no test and no image
+            there (shift 0: the frame coordinate; the block's edges carry the images).
 
     Returns:
         ``idx [k]`` rows of ``frac_frame`` and ``shift [k, 3]`` integer images,
@@ -157,7 +193,9 @@ def select_ghosts(
         f = frac_frame[:, a]
         lo = float(box[0, a]) - float(margin[a])
         hi = float(box[1, a]) + float(margin[a])
-        if pbc[a]:
+        if wrap[a]:
+            cnt[:, a] = 1  # k0 = 0: one copy, at the frame coordinate
+        elif pbc[a]:
             first = torch.ceil(lo - f)
             last = torch.floor(hi - f)
             k0[:, a] = first.to(torch.int64)
@@ -199,6 +237,9 @@ class HaloPlan:
         halo_shift: ``[n_halo, 3]`` integer lattice shifts: a halo row's position is
             the owner's unwrapped position plus ``halo_shift @ cell``.
         owned_shift: ``[n_owned, 3]`` shifts putting owned atoms into this rank's frame.
+        wrap: axes along which the block is periodic (the partition's ``wrap_axes()``): its
+            neighbour list must use the cell with ``pbc = wrap``; no halo row is an image
+            along them.
     """
 
     rank: int
@@ -212,6 +253,7 @@ class HaloPlan:
     halo_shift: torch.Tensor
     owned_shift: torch.Tensor
     group: dist.ProcessGroup | None = None
+    wrap: tuple[bool, bool, bool] = _NO_WRAP
 
     @property
     def n_halo(self) -> int:
@@ -251,6 +293,7 @@ class HaloPlan:
             raise ValueError(f"partition is for {partition.nranks} ranks, the group has {nranks}")
         w = float(partition.ghost_width if ghost_width is None else ghost_width)
         pbc = partition.pbc
+        wrap = tuple(bool(v) for v in getattr(partition, "wrap_axes", lambda: _NO_WRAP)())
         margin = w / partition.heights()
         frac, ids = frac.detach().to("cpu", torch.float64), ids.cpu()  # host-side planning
         frame, owned_shift = frame_coordinates(frac, partition.frame_center(me), pbc)
@@ -258,10 +301,10 @@ class HaloPlan:
         # planning runs on the host (frac is a CPU tensor); payloads travel on the world's device
         dev = require_world("HaloPlan.build").device
         boxes = prim.all_gather(box[None].to(dev), 0, group, op="halo_plan").reshape(nranks, 2, 3).cpu()
-        peers = neighbour_ranks(boxes, margin, pbc, me)
+        peers = neighbour_ranks(boxes, margin, pbc, me, wrap)
         send_idx, send_shift = {}, {}
         for q in peers:
-            idx, s = select_ghosts(frame, boxes[q], margin, pbc, exclude_self=(q == me))
+            idx, s = select_ghosts(frame, boxes[q], margin, pbc, exclude_self=(q == me), wrap=wrap)
             send_idx[q] = idx
             send_shift[q] = s + owned_shift[idx]
         gpeer = [_global(group, q) for q in peers]
@@ -299,6 +342,7 @@ class HaloPlan:
             halo_shift=rows[:, 1:].to(dev).contiguous(),
             owned_shift=owned_shift.to(dev),
             group=group,
+            wrap=wrap,  # type: ignore[arg-type]
         )
 
     # ----------------------------------------------------------- exchanges

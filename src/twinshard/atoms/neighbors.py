@@ -6,7 +6,8 @@ edge ``e`` goes from ``senders[e] = j`` to ``receivers[e] = i`` and
     r_ij = positions[j] + shifts[e] - positions[i],     shifts[e] = cell_shifts[e] @ cell
 
 Both directions of every pair are listed (a full list). Periodic axes use the
-cell; non-periodic axes (open boundary, e.g. a halo-padded block) never shift.
+cell; non-periodic axes never shift (a halo-padded block is open along the axes
+split over several ranks, periodic along its wrap axes: ``pbc`` per axis).
 Positions need not be wrapped into the cell: the shifts are computed for the
 positions as given, so unwrapped MD coordinates stay valid.
 
@@ -54,7 +55,7 @@ def neighbor_list(
     positions: torch.Tensor,
     cutoff: float,
     cell: torch.Tensor | None = None,
-    pbc: torch.Tensor | bool = False,
+    pbc: torch.Tensor | bool | tuple[bool, bool, bool] = False,
     sort: bool = True,
     half: bool = False,
 ) -> Edges:

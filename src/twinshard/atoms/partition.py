@@ -17,6 +17,10 @@ sharded system (:mod:`twinshard.atoms.sharded`):
 Everything here is pure geometry on replicated inputs: every rank computes the
 same answer, no communication happens.
 
+Along a *wrap axis* (:meth:`SpatialPartition.wrap_axes`: periodic with one rank
+along it) the halo-padded block stays periodic: images along it are edge shifts of
+the block's neighbour list, not halo rows.
+
 Positions are kept *unwrapped* (so trajectories compare to serial ones without
 lattice jumps). Each rank evaluates its block in its own *frame*: along a
 periodic axis, fractional coordinates are mapped into
@@ -212,6 +216,11 @@ class SpatialPartition:
         """Face-to-face thickness of the (effective) cell per axis."""
         return cell_heights(self.cell)
 
+    def wrap_axes(self) -> tuple[bool, bool, bool]:
+        """Periodic axes with one rank along them: a block stays periodic there (edges carry the
+        lattice shift) instead of holding its atoms' images as halo rows."""
+        return tuple(self.pbc[a] and self.grid[a] == 1 for a in range(3))  # type: ignore[return-value]
+
     def coords_of(self, rank: int) -> tuple[int, int, int]:
         g0, g1, g2 = self.grid
         return (rank // (g1 * g2), (rank // g2) % g1, rank % g2)
@@ -346,6 +355,11 @@ class BlockPartition:
         if abs(float(torch.linalg.det(self.cell))) < 1e-12:
             return torch.ones(3, dtype=torch.float64, device="cpu")
         return cell_heights(self.cell)
+
+    def wrap_axes(self) -> tuple[bool, bool, bool]:
+        """One rank: every periodic axis stays periodic in the block (no image rows); several
+        ranks: none (their bounding boxes may overlap anywhere, images are halo rows)."""
+        return self.pbc if self.nranks == 1 else (False, False, False)
 
     def region(self, rank: int) -> None:
         """No geometric region: the halo box is the owned atoms' bounding box."""

@@ -11,9 +11,10 @@ Distributed (:func:`block_inputs`), each rank's block is ``[owned | halo]`` as
 ShardTensors with the halo plan: ``positions`` hold the owned (unwrapped) rows and a STALE
 halo, so the model's first gather refreshes it through the dispatch (forward exchange;
 backward: halo gradients summed onto their owners, so ``-dE/dpositions`` is complete on the
-owned rows); ``numbers`` and ``batch`` are FRESH; the lattice images of the halo rows (and
-the frame shifts of owned rows) are carried by the edge ``shifts``, so every halo row is a
-plain copy of its owner's row. ``cell`` is replicated.
+owned rows); ``numbers`` and ``batch`` are FRESH; the lattice images of the halo rows, the
+frame shifts of owned rows and the block neighbour list's own shifts along the wrap axes
+(periodic axes with one rank, where no image is a halo row) are all carried by the edge
+``shifts``, so every halo row is a plain copy of its owner's row. ``cell`` is replicated.
 
 :func:`dispatch_energies` / :func:`dispatch_compute` are the ``mode="dispatch"`` paths of
 :class:`~twinshard.atoms.distributed.DistributedPotential`.
@@ -165,8 +166,11 @@ def block_inputs(sharded: ShardedSystem, positions: torch.Tensor | None = None) 
     numbers = ShardTensor.wrap(torch.cat([sharded.numbers, sharded.halo_numbers]), fresh)
     batch = ShardTensor.wrap(torch.zeros(sharded.n_owned + nh, dtype=torch.int64, device=x.device), fresh)
     cell = sharded.cell.to(x.device, x.dtype)
-    frame = torch.cat([plan.owned_shift, plan.halo_shift]).to(x.device, x.dtype)
-    shifts = (frame[e.senders] - frame[e.receivers]) @ cell
+    frame = torch.cat([plan.owned_shift, plan.halo_shift]).to(x.device)
+    # integer lattice translation of each edge: the two rows' frames plus the block list's own
+    # shift along the wrap axes; summed exactly in int64, then one product with the cell
+    n = frame[e.senders] - frame[e.receivers] + e.cell_shifts.to(x.device)
+    shifts = n.to(x.dtype) @ cell
     return {
         "positions": pos,
         "numbers": numbers,

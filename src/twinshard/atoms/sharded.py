@@ -89,7 +89,8 @@ class ShardedSystem:
     ``partition``, ``cutoff``, ``skin``, ``hysteresis``, ``migrations`` (atoms
     moved between ranks so far), ``builds`` (plan/neighbour-list builds).
     Per rank: ``plan`` (:class:`~twinshard.atoms.halo.HaloPlan`), ``edges`` (on
-    the padded block, owned receivers only, built with ``cutoff + skin``),
+    the padded block, owned receivers only, built with ``cutoff + skin``; periodic
+    along the wrap axes, where edges carry lattice shifts, open elsewhere),
     ``half_edges`` (each pair once, for analytic pair potentials: see
     :meth:`half_edges`), ``halo_numbers``. The two lists are built on first use
     after each plan build (only the kind a potential asks for);
@@ -291,7 +292,9 @@ class ShardedSystem:
         the block positions are differentiable in them *through the halo*: the
         backward of the forward exchange is the reverse exchange, so the gradient
         of the sum of every rank's owned energies lands on the owners. ``refresh``
-        is the forward halo exchange of node features.
+        is the forward halo exchange of node features. Edge ``shifts`` are the block
+        neighbour list's lattice shifts along the wrap axes (periodic with one rank), zero
+        elsewhere.
         """
         assert self.plan is not None and self.edges is not None
         x = self.positions if positions is None else positions
@@ -302,7 +305,8 @@ class ShardedSystem:
             numbers=torch.cat([self.numbers, self.halo_numbers]),
             senders=e.senders,
             receivers=e.receivers,
-            shifts=torch.zeros(e.n_edges, 3, dtype=x.dtype, device=x.device),
+            # lattice shifts along the wrap axes (zero along the others: images there are halo rows)
+            shifts=e.shifts.to(device=x.device, dtype=x.dtype),
             n_owned=self.n_owned,
             refresh=self.plan.refresh,
         )
@@ -426,7 +430,7 @@ class ShardedSystem:
         if self._edges is None:
             assert self._block is not None
             t0 = time.perf_counter()
-            edges = neighbor_list(self._block, self.cutoff + self.skin)
+            edges = self._block_list(half=False)
             keep = edges.receivers < self.n_owned  # only owned receivers carry energy (contract)
             self._edges = Edges(
                 edges.senders[keep], edges.receivers[keep], edges.shifts[keep], edges.cell_shifts[keep]
@@ -438,28 +442,40 @@ class ShardedSystem:
     def edges(self, value: Edges | None) -> None:
         self._edges = value
 
+    def _block_list(self, half: bool) -> Edges:
+        """vesin on the padded block: periodic along the plan's wrap axes (edges carry the
+        integer shift there), open along the others (their images are halo rows)."""
+        assert self._block is not None and self.plan is not None
+        wrap = self.plan.wrap
+        cell = self.cell if any(wrap) else None
+        return neighbor_list(self._block, self.cutoff + self.skin, cell, wrap, half=half)
+
     def half_edges(self) -> Edges:
         """Each pair of the whole system within ``cutoff + skin`` exactly once over all ranks.
 
-        A half list (vesin) on the padded block, pairs between two halo rows dropped.
+        A half list (vesin) on the padded block, periodic along the wrap axes (an
+        atom and its own image along them is one pair with a lexicographically
+        positive shift, as serially), pairs between two halo rows dropped.
         A pair of two owned atoms is kept; a pair of an owned atom ``o`` and a halo
         row ``h`` (an image of an atom owned here or elsewhere) appears on two ranks
         (or twice on one), so it is kept only where the owner rule holds:
         ``id(o) < id(h)``, or, for an atom and its own periodic image, a
-        lexicographically positive relative lattice shift ``halo_shift(h) -
-        owned_shift(o)``. Oriented with the owned atom as receiver. Forces and
+        lexicographically positive relative lattice shift ``halo_shift(h) + m -
+        owned_shift(o)`` (``m`` the edge's block shift). Oriented with the owned atom
+        as receiver; ``shifts`` are the block shifts ``m @ cell``. Forces and
         energies of halo rows are partial sums for their owners (reverse exchange).
         """
         if self._half is None:
             assert self._block is not None and self.plan is not None
             t0 = time.perf_counter()
-            e = neighbor_list(self._block, self.cutoff + self.skin, half=True)
-            i, j = e.receivers, e.senders
+            e = self._block_list(half=True)
+            i, j, m = e.receivers, e.senders, e.cell_shifts
             n = self.n_owned
             own_i, own_j = i < n, j < n
             # orient: the owned atom receives (i < j in the half list, so only (halo, owned) flips)
             flip = ~own_i & own_j
             i, j = torch.where(flip, j, i), torch.where(flip, i, j)
+            m = torch.where(flip[:, None], -m, m)
             keep = own_j.clone() & own_i  # owned-owned: each pair once already
             cross = own_i ^ own_j
             if bool(cross.any()):
@@ -467,9 +483,11 @@ class ShardedSystem:
                 ids = torch.cat([self.ids.to(plan.halo_ids.device), plan.halo_ids]).to(i.device)
                 shift = torch.cat([plan.owned_shift, plan.halo_shift]).to(i.device)
                 io, jh = i[cross], j[cross]
-                keep[cross] = owner_keeps(ids[io], ids[jh], shift[jh] - shift[io])
-            zero = torch.zeros(int(keep.sum()), 3, dtype=e.shifts.dtype, device=e.shifts.device)
-            self._half = Edges(j[keep], i[keep], zero, zero.to(torch.int64))
+                # the pair's lattice translation: frames plus the block's own (wrap-axis) shift
+                keep[cross] = owner_keeps(ids[io], ids[jh], shift[jh] - shift[io] + m[cross])
+            m = m[keep]
+            cell = self.cell.to(device=m.device, dtype=e.shifts.dtype)
+            self._half = Edges(j[keep], i[keep], m.to(e.shifts.dtype) @ cell, m)
             self.neighbor_seconds += time.perf_counter() - t0
         return self._half
 
