@@ -32,6 +32,9 @@ Measurements (per rank, forward + backward of one call):
   a square matmul in the bench dtype measured in one process with ``--threads`` threads on
   this machine (``*_fraction_of_matmul``: each figure as a fraction of that limit).
 
+``pair_padding_factor``: ``(Np / N)^2``, what padding N up to a multiple of lcm(rows, cols)
+adds to every pair-sized tensor (a floor under the memory ratios: 1.44 for N=25 on 2x3).
+
 ``--grid 1x1,2x2,2x3`` runs several grids (the last line is then ``{"runs": [...]}``);
 ``--plot FILE.png`` draws time and peak memory per rank against the number of ranks beside
 the ideal curves (serial / P).
@@ -412,6 +415,9 @@ def _summarise(
     out["peak_ratio_vs_serial_over_p"] = (
         max(peaks) / (r0["serial_peak"] / P) if peaks and r0["serial_peak"] else None
     )
+    # what padding alone adds to every pair-sized tensor ((Np / N)^2; Np a multiple of
+    # lcm(rows, cols)): a floor under both ratios above that no schedule can remove
+    out["pair_padding_factor"] = (r0["padded_tokens"] / tokens) ** 2
     out["comm_backward_ratio_vs_lower_bound"] = max(r["comm_bwd"] for r in ranks) / lower if P > 1 else 0.0
     runs = [max(r["seconds_runs"][i] for r in ranks) for i in range(len(r0["seconds_runs"]))]
     flops = model_flops(op, a.batch, tokens, a.sequences if op == "opm" else tokens, a.channels, a.hidden)
