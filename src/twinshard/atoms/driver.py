@@ -46,7 +46,8 @@ up to ``--steps`` (which counts the whole run).
 - ``ghost_shell_estimate``: halo atoms one rank must import if its
   subdomain is a slab (fractional widths ``1/g_a``) and the ghost width is
   ``w = cutoff + skin``: ``rho V [prod_a (1/g_a + 2 w / h_a) - 1/P]`` with
-  ``h_a`` the cell heights (only axes that are periodic or split extend).
+  ``h_a`` the cell heights (only split axes extend: along a periodic axis with one rank the
+  block stays periodic and images are edge shifts, not halo rows; so it is 0 at P = 1).
 """
 
 from __future__ import annotations
@@ -258,7 +259,9 @@ def make_integrator(cfg: MDConfig) -> VelocityVerlet:
 def ghost_shell_estimate(
     n_atoms: int, cell: torch.Tensor, pbc: Any, grid: tuple[int, ...], width: float
 ) -> float:
-    """Halo atoms per rank of a slab decomposition (see the module docstring)."""
+    """Halo atoms per rank of a slab decomposition (see the module docstring). ``pbc`` does not
+    enter: an unsplit axis imports nothing whether periodic or open, a split one a slab each side
+    (at a non-periodic outer face that over-counts: an upper bound there)."""
     from twinshard.atoms.partition import cell_heights
 
     c = cell.to(torch.float64)
@@ -266,12 +269,11 @@ def ghost_shell_estimate(
     if volume == 0:
         return float("nan")
     heights = cell_heights(c).tolist()
-    pbc_l = [bool(p) for p in (pbc.tolist() if torch.is_tensor(pbc) else list(pbc))]
     p = math.prod(grid)
     frac = 1.0
     for a in range(3):
-        extend = pbc_l[a] or grid[a] > 1
-        frac *= 1.0 / grid[a] + (2.0 * width / heights[a] if extend else 0.0)
+        # an unsplit axis imports nothing: periodic images along it are edge shifts (halo.py)
+        frac *= 1.0 / grid[a] + (2.0 * width / heights[a] if grid[a] > 1 else 0.0)
     return n_atoms * (frac - 1.0 / p)
 
 

@@ -290,7 +290,8 @@ def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
             r["serial_seconds"] = s["seconds"]
             r["time_ratio_to_serial"] = r["seconds_per_evaluation"] / s["seconds"]
             r["serial_peak_memory_bytes"] = s["peak_memory_bytes"]
-            r["halo_ratio"] = max(r["halo_atoms_per_rank"]) / r["ghost_shell_estimate"]
+            shell = r["ghost_shell_estimate"]  # 0 at P = 1: nothing to import
+            r["halo_ratio"] = max(r["halo_atoms_per_rank"]) / shell if shell > 0 else None
             runs.append(r)
             if not args.json:
                 parts = ", ".join(

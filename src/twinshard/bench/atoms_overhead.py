@@ -25,8 +25,8 @@ of one evaluation per rank, and parity against the serial plain model (energy re
 max force error, max virial error with ``--stress``). The summary holds the ratios
 ``dispatch_over_hooks_P{P}`` (target <= 1.10) and at P = 1 ``hooks_over_plain_P1``,
 ``dispatch_over_plain_P1`` (target <= 1.05) and ``hooks_over_serial_P1`` (each also as
-``..._cpu_P{P}``). At P = 1 a periodic block still carries the halo rows of its own periodic
-images (``halo_atoms_per_rank``): node-wise work that the serial run does not do.
+``..._cpu_P{P}``). At P = 1 a periodic block has no halo rows (its images are edge shifts), so
+what remains of the P = 1 overhead is the dispatch's own work per op.
 """
 
 from __future__ import annotations
