@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -262,19 +261,12 @@ def ghost_shell_estimate(
     """Halo atoms per rank of a slab decomposition (see the module docstring). ``pbc`` does not
     enter: an unsplit axis imports nothing whether periodic or open, a split one a slab each side
     (at a non-periodic outer face that over-counts: an upper bound there)."""
-    from twinshard.atoms.partition import cell_heights
+    from twinshard.atoms.partition import cell_heights, ghost_fraction
 
     c = cell.to(torch.float64)
-    volume = abs(float(torch.linalg.det(c)))
-    if volume == 0:
+    if abs(float(torch.linalg.det(c))) == 0:
         return float("nan")
-    heights = cell_heights(c).tolist()
-    p = math.prod(grid)
-    frac = 1.0
-    for a in range(3):
-        # an unsplit axis imports nothing: periodic images along it are edge shifts (halo.py)
-        frac *= 1.0 / grid[a] + (2.0 * width / heights[a] if grid[a] > 1 else 0.0)
-    return n_atoms * (frac - 1.0 / p)
+    return n_atoms * ghost_fraction(cell_heights(c).tolist(), grid, width)
 
 
 # ------------------------------------------------------------------------ measurement

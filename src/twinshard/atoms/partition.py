@@ -30,6 +30,7 @@ periodic axis, fractional coordinates are mapped into
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "SpatialPartition",
     "BlockPartition",
     "cell_heights",
+    "ghost_fraction",
     "fractional",
     "rank_grid_shapes",
 ]
@@ -92,15 +94,21 @@ def rank_grid_shapes(nranks: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _halo_surface(cell: torch.Tensor, pbc: tuple[bool, bool, bool], grid: tuple[int, int, int]) -> float:
-    """Area of the subdomain faces that carry a halo (periodic or cut axes), per subdomain."""
-    edges = [cell[a] / grid[a] for a in range(3)]
-    area = 0.0
+def ghost_fraction(
+    heights: Sequence[float], grid: Sequence[int], width: float, pbc: Sequence[bool] | None = None
+) -> float:
+    """Halo volume of one slab subdomain as a fraction of the cell: ``prod_a (1/g_a + f_a w / h_a
+    [g_a > 1]) - 1/P``. Only split axes import atoms: along an unsplit axis (periodic: its
+    images are edge shifts of the block's list; open: nothing beyond) the subdomain is whole.
+    ``f_a`` faces import along a split axis: 2 (the largest subdomain's halo; ``pbc=None``), or
+    with ``pbc`` given the mean over ranks: 2 if periodic, ``2 (g_a - 1) / g_a`` if open (the
+    end slabs have one inner face)."""
+    frac = 1.0
     for a in range(3):
-        if pbc[a] or grid[a] > 1:
-            b, c = (a + 1) % 3, (a + 2) % 3
-            area += 2.0 * float(torch.linalg.vector_norm(torch.linalg.cross(edges[b], edges[c])))
-    return area
+        g = grid[a]
+        faces = 2.0 if pbc is None or pbc[a] else 2.0 * (g - 1) / g
+        frac *= 1.0 / g + (faces * width / float(heights[a]) if g > 1 else 0.0)
+    return frac - 1.0 / math.prod(grid)
 
 
 @dataclass(frozen=True)
@@ -201,14 +209,14 @@ class SpatialPartition:
         fitting = [g for g in shapes if misfit(g) is None]
         if not fitting:
             per_axis = [max(1, int(float(heights[a]) // w)) for a in range(3)]
-            best = min(shapes, key=lambda g: _halo_surface(cell, pbc_t, g))
+            best = min(shapes, key=lambda g: ghost_fraction(heights.tolist(), g, w, pbc_t))
             raise PartitionError(
                 f"the box is too small for {nranks} ranks: {misfit(best)}; no grid of {nranks} "
                 f"ranks fits: at most {per_axis} ranks fit along the three axes (so at most "
                 f"{per_axis[0] * per_axis[1] * per_axis[2]} ranks, as a grid within those); use "
                 "fewer ranks, a smaller cutoff or skin, or a bigger box"
             )
-        best = min(fitting, key=lambda g: _halo_surface(cell, pbc_t, g))
+        best = min(fitting, key=lambda g: ghost_fraction(heights.tolist(), g, w, pbc_t))
         return SpatialPartition(cell, pbc_t, best, origin, w)
 
     # --- geometry -------------------------------------------------------
