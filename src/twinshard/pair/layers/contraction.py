@@ -194,8 +194,7 @@ RING_CHUNKS = 4  # channel chunks per ring step (bmm kernel): in flight 1/4 of a
 
 def _chunks(n: int, parts: int) -> list[Range]:
     parts = max(1, min(parts, n))
-    edges = [n * i // parts for i in range(parts + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+    return [(n * i // parts, n * (i + 1) // parts) for i in range(parts)]
 
 
 def _cannon_chunked(
