@@ -112,3 +112,33 @@ def test_stuck_rank_is_named_and_stopped():
         run_on_world(_busy_rank, 2, timeout=2)
     assert info.value.finished == (1,)
     assert run_on_world(_rank_and_threads, 2, 0) == [(0, 1), (1, 1)]  # the pool recovers
+
+
+def _profiled_collective_keeps_no_group():
+    import sys
+
+    import torch.distributed.nn.functional as dnn
+
+    from twinshard.tensors.memory import peak_memory_during
+
+    pg = dist.group.WORLD
+    before = sys.getrefcount(pg)
+    x = torch.ones(3)
+    peak_memory_during(lambda: dist.all_reduce(x), torch.device("cpu"))
+    held = [
+        name
+        for name, fn in vars(dnn).items()
+        if callable(fn)
+        and any(isinstance(d, dist.ProcessGroup) for d in (getattr(fn, "__defaults__", None) or ()))
+    ]
+    return sys.getrefcount(pg) - before, held
+
+
+def test_profiling_a_collective_leaves_the_group_destroyable():
+    """The torch profiler imports torch.distributed.nn.functional on entry; imported while a world
+    lives, its ``group=group.WORLD`` defaults would hold the default group for the life of the
+    process, so destroy_process_group could not free it and gloo aborted at interpreter exit
+    ("terminate called without an active exception"). runtime.world imports it before any world."""
+    for extra, held in run_on_world(_profiled_collective_keeps_no_group, 2):
+        assert held == [], f"torch.distributed.nn.functional defaults hold a process group: {held}"
+        assert extra == 0, f"a profiled collective left {extra} references to the default process group"

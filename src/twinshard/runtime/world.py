@@ -22,6 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Imported before any world exists, on purpose: this module's functions take
+# ``group=group.WORLD`` as a default argument, evaluated at import. Imported later (the
+# torch profiler does so on entry), they would capture the live default group for the
+# life of the process; destroy_process_group could then not free it, and gloo's threads
+# would be torn down in interpreter finalization ("terminate called without an active
+# exception", SIGABRT at exit).
+import torch.distributed.nn.functional  # noqa: F401
+
 from twinshard.runtime.errors import RankFailure, WorldError
 
 DEFAULT_TIMEOUT = 60.0
@@ -146,12 +154,24 @@ def require_world(what: str) -> World:
     return _WORLD
 
 
+_ON_SHUTDOWN: list[Any] = []
+
+
+def on_shutdown(fn: Any) -> Any:
+    """Register ``fn()`` to run when the world shuts down (caches of objects bound to its
+    process groups clear themselves there; a later world must not reuse them)."""
+    _ON_SHUTDOWN.append(fn)
+    return fn
+
+
 def shutdown_world() -> None:
-    """Destroy the default process group (and the grids cached on it)."""
+    """Destroy the default process group (and the grids and meshes cached on it)."""
     global _WORLD
     from twinshard.runtime.grid import clear_grid_cache
 
     clear_grid_cache()
+    for fn in _ON_SHUTDOWN:
+        fn()
     if dist.is_initialized():
         dist.destroy_process_group()
     _WORLD = None

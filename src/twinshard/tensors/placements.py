@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from twinshard.runtime.world import on_shutdown
+
 __all__ = [
     "PAD",
     "HaloExchange",
@@ -198,6 +200,7 @@ class ShardSpec:
 
 
 _MESHES: dict[tuple[int, int, int], DeviceMesh] = {}
+on_shutdown(_MESHES.clear)  # a mesh holds its world's groups: never reuse it in a later world
 
 
 def spatial_mesh(grid: tuple[int, int, int], device_type: str | None = None) -> DeviceMesh:
