@@ -258,7 +258,7 @@ def _rank_model(nranks, variant=None, system_name="fcc", scope=True):
     model = OpaquePairModel()
     (coef,) = sync_params([model.coef], sh.group)  # replicated parameter: gradients all-reduced
     x = sh.positions.detach().requires_grad_(True)
-    data = block_inputs(sh, x)
+    data = block_inputs(sh, x, wrap=True)  # the dispatch itself, at 1 rank too
     pos, plan = data["positions"], None
     if variant == "owned_positions":  # HALO_PAD of an Owned input: the scope's plan pads it
         pos, plan = from_local(x, ShardSpec(Owned(), group=sh.group)), sh.plan

@@ -33,6 +33,7 @@ from twinshard.atoms.potentials.base import Results
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
 from twinshard.comm.ops import sync_params
+from twinshard.comm.primitives import group_size
 from twinshard.tensors.dispatch import lazy_halo
 from twinshard.tensors.placements import HaloPadded, HaloState, ShardSpec
 from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
@@ -153,18 +154,29 @@ def evaluate_serial(
     return evaluate(potential, system, edges, compute_stress=compute_stress)
 
 
-def block_inputs(sharded: ShardedSystem, positions: torch.Tensor | None = None) -> dict[str, Any]:
+def block_inputs(
+    sharded: ShardedSystem, positions: torch.Tensor | None = None, wrap: bool | None = None
+) -> dict[str, Any]:
     """This rank's ``[owned | halo]`` block as ShardTensors (no communication here: the halo of
-    ``positions`` is STALE and refreshed by the model's first gather)."""
+    ``positions`` is STALE and refreshed by the model's first gather).
+
+    A group of one rank with no halo rows (P = 1: every image is an edge shift) gets plain
+    tensors: there is nothing to exchange or reduce, so the model runs exactly as serially,
+    without the dispatch's per-op cost (``bench atoms --mode overhead``: dispatch / plain at P = 1).
+    ``wrap=True`` wraps them anyway (a 1-rank check of the dispatch itself)."""
     plan, e = sharded.plan, sharded.edges
     assert plan is not None and e is not None
     x = sharded.positions if positions is None else positions
     nh = sharded.n_halo
-    stale = ShardSpec(HaloPadded(plan), HaloState.STALE, sharded.group, 1)
-    fresh = stale.with_state(HaloState.FRESH)
-    pos = from_local(torch.cat([x, x.new_zeros(nh, 3)]), stale)
-    numbers = ShardTensor.wrap(torch.cat([sharded.numbers, sharded.halo_numbers]), fresh)
-    batch = ShardTensor.wrap(torch.zeros(sharded.n_owned + nh, dtype=torch.int64, device=x.device), fresh)
+    numbers = torch.cat([sharded.numbers, sharded.halo_numbers])
+    batch = torch.zeros(sharded.n_owned + nh, dtype=torch.int64, device=x.device)
+    if wrap or nh > 0 or group_size(sharded.group) > 1:
+        stale = ShardSpec(HaloPadded(plan), HaloState.STALE, sharded.group, 1)
+        fresh = stale.with_state(HaloState.FRESH)
+        pos = from_local(torch.cat([x, x.new_zeros(nh, 3)]), stale)
+        numbers, batch = ShardTensor.wrap(numbers, fresh), ShardTensor.wrap(batch, fresh)
+    else:
+        pos = x
     cell = sharded.cell.to(x.device, x.dtype)
     frame = torch.cat([plan.owned_shift, plan.halo_shift]).to(x.device)
     # integer lattice translation of each edge: the two rows' frames plus the block list's own

@@ -25,8 +25,9 @@ of one evaluation per rank, and parity against the serial plain model (energy re
 max force error, max virial error with ``--stress``). The summary holds the ratios
 ``dispatch_over_hooks_P{P}`` (target <= 1.10) and at P = 1 ``hooks_over_plain_P1``,
 ``dispatch_over_plain_P1`` (target <= 1.05) and ``hooks_over_serial_P1`` (each also as
-``..._cpu_P{P}``). At P = 1 a periodic block has no halo rows (its images are edge shifts), so
-what remains of the P = 1 overhead is the dispatch's own work per op.
+``..._cpu_P{P}``). At P = 1 a block has no halo rows (periodic images are edge shifts), so the
+dispatch hands the model plain tensors (``plain_inputs.block_inputs``): the P = 1 legs differ by
+the block set-up only, and the dispatch's own per-op cost shows at P >= 2 against ``hooks``.
 """
 
 from __future__ import annotations
