@@ -98,6 +98,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="threads of the serial yardstick and of the matmul rate (default: min(P, cores))",
     )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds a rank may wait in one collective, and the whole run may take (the other "
+        "ranks wait while rank 0 times the serial yardstick: minutes at N = 512)",
+    )
     p.add_argument("--plot", default=None, help="FILE.png: time and memory per rank against ranks")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.set_defaults(func=run)
@@ -503,7 +510,8 @@ def _run_one(args: argparse.Namespace, shape: tuple[int, int]) -> dict[str, Any]
         ranks: list[Any] = [None] * world.size
         torch.distributed.all_gather_object(ranks, mine)  # bookkeeping, outside every ledger
     else:
-        ranks = shared_pool().run(bench_rank, nranks, *call)
+        t = float(getattr(args, "timeout", 3600.0))
+        ranks = shared_pool().run(bench_rank, nranks, *call, timeout=t, deadline=t)
     return _summarise(args.op, args.tokens, shape, args, ranks)
 
 
