@@ -501,10 +501,16 @@ class ShardedSystem:
 
 
 def owner_keeps(id_owned: torch.Tensor, id_halo: torch.Tensor, rel_shift: torch.Tensor) -> torch.Tensor:
-    """The owner rule for a pair (owned atom, halo image), seen from the two ends: the rank
-    that owns the smaller id evaluates it; an atom and its own image (equal ids) by the sign
-    of the relative lattice shift, which is opposite at the two ends."""
-    return (id_owned < id_halo) | ((id_owned == id_halo) & lex_positive(rel_shift))
+    """The owner rule for a pair (owned atom, halo image), seen from the two ends: the smaller
+    id's rank evaluates it when the two ids sum to an even number, the larger id's when odd (the
+    rule flips with the ends, so exactly one keeps it; the parity spreads a boundary's pairs over
+    both sides: ids that grow along the split axis would otherwise hand one rank all of them);
+    an atom and its own image (equal ids) by the sign of the relative lattice shift, which is
+    opposite at the two ends."""
+    odd = ((id_owned + id_halo) % 2).bool()
+    return ((id_owned < id_halo) ^ odd) & (id_owned != id_halo) | (
+        (id_owned == id_halo) & lex_positive(rel_shift)
+    )
 
 
 _MAX_ID = 2**32 - 1  # ids key the counter-based RNG (Langevin noise, velocities): 32-bit words
