@@ -291,6 +291,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/atoms/test_lj_fast.py",),
     ),
     M(
+        "owner_rule_parity_not_flipped",
+        "dropped term",
+        "atoms/sharded.py",
+        "return ((id_owned < id_halo) ^ odd) & (id_owned != id_halo) | (",
+        "return ((id_owned < id_halo) | odd) & (id_owned != id_halo) | (",
+        ("tests/atoms/test_lj_fast.py",),
+    ),
+    M(
         "graph_ids_wrong_offset",
         "off-by-one block",
         "atoms/graph_storage.py",
