@@ -84,6 +84,15 @@ MUTATIONS: list[Mutation] = [
         'return permute(x, ranks[(i - k) % n], ranks[(i + k) % n], recv_shape, op="ring_shift")',
         ("tests/comm/test_adjoint.py", "tests/pair/test_triangle.py"),
     ),
+    # -- runtime: world teardown
+    M(
+        "late_import_keeps_group_alive",
+        "teardown order",
+        "runtime/world.py",
+        "import torch.distributed.nn.functional  # noqa: F401",
+        "import torch.distributed  # noqa: F401",
+        ("tests/runtime/test_runtime.py",),
+    ),
     # -- atoms: halo exchange and neighbour contract
     M(
         "halo_reverse_dropped",
