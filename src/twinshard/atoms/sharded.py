@@ -458,10 +458,10 @@ class ShardedSystem:
         positive shift, as serially), pairs between two halo rows dropped.
         A pair of two owned atoms is kept; a pair of an owned atom ``o`` and a halo
         row ``h`` (an image of an atom owned here or elsewhere) appears on two ranks
-        (or twice on one), so it is kept only where the owner rule holds:
-        ``id(o) < id(h)``, or, for an atom and its own periodic image, a
-        lexicographically positive relative lattice shift ``halo_shift(h) + m -
-        owned_shift(o)`` (``m`` the edge's block shift). Oriented with the owned atom
+        (or twice on one), so it is kept only where the owner rule (:func:`owner_keeps`)
+        holds: ``id(o) < id(h)`` when ``id(o) + id(h)`` is even, ``id(o) > id(h)`` when odd,
+        or, for an atom and its own periodic image, a lexicographically positive relative
+        lattice shift ``halo_shift(h) + m - owned_shift(o)`` (``m`` the edge's block shift). Oriented with the owned atom
         as receiver; ``shifts`` are the block shifts ``m @ cell``. Forces and
         energies of halo rows are partial sums for their owners (reverse exchange).
         """
