@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from twinshard.atoms.calculator import TwinshardCalculator
+from twinshard.atoms.plain_inputs import evaluate_serial
 from twinshard.atoms.potentials import LennardJones, MessagePassingPotential, evaluate
+from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
 from twinshard.atoms.structures import lj_mixture, lj_mixture_parameters
 from twinshard.testing import assert_parity, run_on_world
 
@@ -19,6 +21,8 @@ def _atoms():
 def _potential(name):
     if name == "lj":
         return LennardJones(lj_mixture_parameters(), cutoff=6.0)
+    if name == "mpnn_plain":  # plain PyTorch (no twinshard call): runs in either storage
+        return PlainMessagePassing(species=(18, 36), cutoff=4.5, n_features=8, n_layers=2, seed=2)
     return MessagePassingPotential(species=(18, 36), cutoff=4.5, seed=2)
 
 
@@ -38,12 +42,12 @@ def test_serial_calculator_matches_evaluate():
         TwinshardCalculator(torch.nn.Linear(2, 2))
 
 
-def _on_rank(name):
+def _on_rank(name, storage="halo"):
     from twinshard.runtime import get_world
 
     s = _atoms()
     atoms = s.to_ase()
-    atoms.calc = TwinshardCalculator(_potential(name))
+    atoms.calc = TwinshardCalculator(_potential(name), storage=storage)
     return (
         get_world().rank,
         atoms.get_potential_energy(),
@@ -53,21 +57,43 @@ def _on_rank(name):
     )
 
 
-@pytest.mark.parametrize("name", ["lj", "mpnn"])
-def test_distributed_calculator_equals_serial(name):
+@pytest.mark.parametrize(
+    "name,storage", [("lj", "halo"), ("mpnn", "halo"), ("mpnn_plain", "halo"), ("mpnn_plain", "graph")]
+)
+def test_distributed_calculator_equals_serial(name, storage):
     s = _atoms()
-    ref = evaluate(_potential(name), s)
-    out = run_on_world(_on_rank, 3, name)
+    ref = evaluate_serial(_potential(name), s)
+    out = run_on_world(_on_rank, 3, name, storage)
     assert [o[0] for o in out] == [0, 1, 2]
     r = ref.stress
     voigt = torch.stack([r[0, 0], r[1, 1], r[2, 2], r[1, 2], r[0, 2], r[0, 1]])
     for rank, energy, forces, energies, stress in out:
         # the calculator returns whole-system arrays on every rank (gathered); the owned-row
-        # sharding behind them is proven in test_distributed
-        where = f"ASE calculator {name} P=3 rank {rank}"
+        # sharding behind them is proven in test_distributed and test_graph_storage
+        where = f"ASE calculator {name} ({storage} storage) P=3 rank {rank}"
         energy = torch.tensor(energy, dtype=torch.float64)
         assert_parity(energy, ref.energy, what=f"energy, {where}")
         assert_parity(torch.from_numpy(forces), ref.forces, what=f"forces, {where}")
         assert_parity(torch.from_numpy(energies), ref.per_atom, what=f"per-atom energies, {where}")
         assert_parity(torch.from_numpy(stress), voigt, what=f"stress (Voigt), {where}")
     assert float(ref.forces.abs().max()) > 1e-3
+
+
+def _graph_storage_with_hooks_model():
+    s = _atoms()
+    atoms = s.to_ase()
+    atoms.calc = TwinshardCalculator(_potential("mpnn"), storage="graph")
+    try:
+        atoms.get_potential_energy()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_graph_storage_calculator_refuses_a_refresh_hook_model_on_every_rank():
+    """Graph storage runs plain-PyTorch models; a Graph-contract model (graph.refresh) raises the
+    same clear error on every rank, and a storage name that does not exist raises at once."""
+    for msg in run_on_world(_graph_storage_with_hooks_model, 2):
+        assert msg is not None and "mode='dispatch'" in msg and "halo storage" in msg
+    with pytest.raises(ValueError, match="storage must be 'halo' or 'graph'"):
+        TwinshardCalculator(_potential("lj"), storage="spatial")

@@ -9,14 +9,17 @@ potential contract (:mod:`twinshard.atoms.potentials.base`):
   ``distributed=True``): every rank of the world calls the calculator on the
   same ``ase.Atoms`` (as an ASE optimiser or MD loop replicated on every rank
   does); the system is scattered from rank ``src`` with
-  :class:`~twinshard.atoms.sharded.ShardedSystem`, evaluated with
+  :class:`~twinshard.atoms.sharded.ShardedSystem` (``storage="halo"``, spatial blocks with
+  halo atoms) or :class:`~twinshard.atoms.graph_storage.GraphSharded` (``storage="graph"``,
+  atoms split by index, geometry replicated: plain-PyTorch models only), evaluated with
   :class:`~twinshard.atoms.distributed.DistributedPotential`, and energy,
   per-atom energies, forces and stress come back replicated on every rank.
 
 Distributed collectives per calculation: those of ``ShardedSystem.scatter``
 (a fail-together step, broadcasts, one all_to_all per field), of
 ``DistributedPotential.compute`` (halo exchanges forward and backward, one
-all_reduce) and three all_gathers (counts, then ids and
+all_reduce; with graph storage the model's row all-to-alls and per-system all-reduces
+instead) and three all_gathers (counts, then ids and
 per-atom results). Memory per rank: the owned atoms and their halo for the
 evaluation, plus the replicated ``[N, 4]`` result the calculator must return
 to ASE.
@@ -45,9 +48,13 @@ def evaluate_distributed(
     skin: float = 0.0,
     group: Any = None,
     partition: str = "spatial",
+    storage: str = "halo",
 ) -> Results:
     """Collective: scatter ``system`` (held by ``src``; ``None`` elsewhere), evaluate,
     and return serial-ordered (by id) results replicated on every rank.
+
+    ``storage``: ``"halo"`` (spatial blocks with halo atoms, ``partition``) or ``"graph"``
+    (atoms split by index, geometry replicated; plain-PyTorch models through the dispatch).
 
     ``per_atom`` and ``forces`` rows follow the atoms sorted by global id (for a
     system built with default ids that is the original order).
@@ -56,9 +63,18 @@ def evaluate_distributed(
     from twinshard.atoms.sharded import ShardedSystem
     from twinshard.comm import primitives as prim
 
-    sharded = ShardedSystem.scatter(
-        system, src, cutoff=float(potential.cutoff), skin=skin, group=group, partition=partition
-    )
+    if storage not in ("halo", "graph"):  # a replicated option: every rank raises
+        raise ValueError(f"storage must be 'halo' or 'graph', got {storage!r}")
+    if storage == "graph":
+        from twinshard.atoms.graph_storage import GraphSharded
+
+        sharded: Any = GraphSharded.scatter(
+            system, src, cutoff=float(potential.cutoff), skin=skin, group=group
+        )
+    else:
+        sharded = ShardedSystem.scatter(
+            system, src, cutoff=float(potential.cutoff), skin=skin, group=group, partition=partition
+        )
     from twinshard.atoms.plain_inputs import as_potential, potential_mode
 
     potential = as_potential(potential)  # a bare MACE module: behind MaceAdapter (dispatch mode)
@@ -88,6 +104,8 @@ class TwinshardCalculator(Calculator):
         skin: extra ghost width of the distributed halo (0 is exact for a
             one-shot evaluation).
         dtype: float dtype of the computation (default fp64).
+        storage: ``"halo"`` (spatial blocks with halo atoms) or ``"graph"`` (atoms split by
+            index, geometry replicated; plain-PyTorch models such as MACE only).
     """
 
     implemented_properties = ["energy", "free_energy", "energies", "forces", "stress"]
@@ -99,6 +117,7 @@ class TwinshardCalculator(Calculator):
         src: int = 0,
         skin: float = 0.0,
         dtype: torch.dtype = torch.float64,
+        storage: str = "halo",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -112,6 +131,9 @@ class TwinshardCalculator(Calculator):
         self.src = int(src)
         self.skin = float(skin)
         self.dtype = dtype
+        if storage not in ("halo", "graph"):
+            raise ValueError(f"storage must be 'halo' or 'graph', got {storage!r}")
+        self.storage = storage
 
     def _use_world(self) -> bool:
         from twinshard.runtime import get_world, require_world
@@ -135,7 +157,7 @@ class TwinshardCalculator(Calculator):
 
             world = get_world()
             mine = system if world is not None and world.rank == self.src else None
-            res = evaluate_distributed(self.potential, mine, self.src, self.skin)
+            res = evaluate_distributed(self.potential, mine, self.src, self.skin, storage=self.storage)
             order = torch.argsort(system.ids).to(res.forces.device)  # results come sorted by id
             inv = torch.empty_like(order)
             inv[order] = torch.arange(order.numel(), device=order.device)
