@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run every family on local ranks against serial (embedded defaults)")
     demo.add_argument("--ranks", type=int, default=4)
     demo.set_defaults(func=run_demo)
-    from twinshard.atoms.driver import add_md_parser
+    from twinshard.atoms.md_cli import add_md_parser
     from twinshard.bench import atoms as bench_atoms
     from twinshard.bench import migrate as bench_migrate
     from twinshard.bench import pair as bench_pair

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 import twinshard.atoms as ta
 from twinshard.atoms import structures
-from twinshard.atoms.driver import add_md_parser, run_md
 from twinshard.atoms.io import write
+from twinshard.atoms.md_cli import add_md_parser, run_md
 from twinshard.atoms.plain_inputs import evaluate_plain
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, build_scaleshift_mace, mace_native
 from twinshard.atoms.sharded import ShardedSystem

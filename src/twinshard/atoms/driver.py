@@ -1,4 +1,5 @@
-"""The MD driver: ``twinshard md``, serial and distributed with one integrator.
+"""The MD driver: ``twinshard md``, serial and distributed with one integrator (its command
+line, parser and local-rank launch: :mod:`twinshard.atoms.md_cli`).
 
 Distributed, every rank runs :func:`md_rank`: rank 0 loads the structure (an
 embedded default or a file, inside a fail-together step), the system is
@@ -52,8 +53,6 @@ up to ``--steps`` (which counts the whole run).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -77,14 +76,11 @@ from twinshard.tensors.memory import RssWindow, peak_memory_during, storage_byte
 __all__ = [
     "MDConfig",
     "DistributedEngine",
-    "add_md_parser",
-    "config_from_args",
     "ghost_shell_estimate",
     "load_structure",
     "lj_parameters",
     "md_rank",
     "potential_from_config",
-    "run_md",
 ]
 
 DEFAULT_ATOMS = 4000
@@ -614,180 +610,9 @@ def _check_serial(
     return out
 
 
-# ------------------------------------------------------------------------ command line
-
-
-def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``md`` on a subparsers object (``twinshard md ...``)."""
-    p = subparsers.add_parser(
-        "md",
-        help="molecular dynamics, serial or over P ranks (spatial decomposition)",
-        description="Run MD on an embedded structure (default: fcc argon) or a structure file, "
-        "over P local ranks (or the torchrun world), optionally checking it against serial.",
-    )
-    p.add_argument(
-        "structure",
-        nargs="?",
-        default=None,
-        help="a structure file (extxyz, cif, POSCAR, ...) or an embedded name: "
-        "fcc_argon, random_packing, triclinic_argon, lj_mixture",
-    )
-    p.add_argument(
-        "--potential",
-        choices=("lj", "mpnn", "mace"),
-        default="lj",
-        help="mace: mace-torch's MACE, unmodified, through the ShardTensor dispatch "
-        "(--model FILE, or a small random-weight default)",
-    )
-    p.add_argument(
-        "--model",
-        default=None,
-        metavar="FILE",
-        help="--potential mace: a MACE model saved by mace-torch (torch.save of the module); "
-        "default: a small random-weight MACE built offline",
-    )
-    p.add_argument(
-        "--epsilon", type=float, default=None, help="LJ well depth in eV, every species (default: argon's)"
-    )
-    p.add_argument(
-        "--sigma", type=float, default=None, help="LJ length in Angstrom, every species (default: argon's)"
-    )
-    p.add_argument(
-        "--lj",
-        action="append",
-        default=None,
-        metavar="SYMBOL:EPS:SIGMA",
-        help="LJ parameters of one species (repeatable; overrides --epsilon/--sigma), e.g. Ar:0.0104:3.405",
-    )
-    p.add_argument(
-        "--no-shift",
-        dest="shift",
-        action="store_false",
-        help="LJ: truncate at the cutoff without shifting the energy to zero there",
-    )
-    p.add_argument(
-        "--cutoff",
-        type=float,
-        default=None,
-        help="potential cutoff in Angstrom (default: 2.5 sigma for LJ, 5 for mpnn)",
-    )
-    p.add_argument(
-        "--ranks",
-        type=int,
-        default=1,
-        help="local ranks to spawn (ignored under torchrun, which sets the world)",
-    )
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--dt", type=float, default=2.0, help="time step in fs")
-    p.add_argument("--thermostat", choices=("none", "langevin"), default="none")
-    p.add_argument(
-        "--temperature", type=float, default=60.0, help="K: start velocities and the Langevin bath"
-    )
-    p.add_argument("--friction", type=float, default=0.01, help="Langevin friction, 1/fs")
-    p.add_argument(
-        "--atoms",
-        type=int,
-        default=None,
-        help=f"size of the embedded structure (default {DEFAULT_ATOMS} for fcc_argon)",
-    )
-    p.add_argument("--skin", type=float, default=1.0, help="Verlet skin in Angstrom")
-    p.add_argument("--partition", choices=("spatial", "block"), default="spatial")
-    p.add_argument(
-        "--storage",
-        choices=("halo", "graph"),
-        default="halo",
-        help="halo: spatial domains with halos and migration; graph: atoms split by index into "
-        "balanced blocks, geometry replicated (plain models: --potential mpnn or mace)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--check-serial",
-        action="store_true",
-        help="also run the serial potential and trajectory and report differences",
-    )
-    p.add_argument("--thermo-every", type=int, default=10)
-    p.add_argument("--thermo", default=None, help="write the thermo log to this file")
-    p.add_argument("--trajectory", default=None, help="write an extxyz trajectory here")
-    p.add_argument("--trajectory-every", type=int, default=10)
-    p.add_argument(
-        "--checkpoint",
-        default=None,
-        metavar="FILE",
-        help="write a restart checkpoint here (atomically) every --checkpoint-every steps and at the end",
-    )
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K")
-    p.add_argument(
-        "--restart",
-        default=None,
-        metavar="FILE",
-        help="continue from a checkpoint (any rank count) up to --steps, which counts the whole run; "
-        "give the same --thermostat/--dt/--temperature/--friction/--seed and potential options",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=3600.0,
-        help="seconds the whole run may take (any one collective may wait at most min(this, 300 s))",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
-    p.add_argument(
-        "--json-arrays",
-        action="store_true",
-        help="with --json: also the final ids, positions, velocities and forces (ordered by id)",
-    )
-    p.set_defaults(func=run_md)
-    return p
-
-
 # A collective that waits this long is a hang, not a slow rank (rank 0 reading a large
 # structure while the others wait in the broadcast stays well under it).
 COLLECTIVE_TIMEOUT = 300.0
-
-
-def config_from_args(args: argparse.Namespace) -> MDConfig:
-    fields = MDConfig.__dataclass_fields__
-    kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
-    kw["progress"] = not getattr(args, "json", False) and bool(getattr(args, "progress", True))
-    return MDConfig(**kw)
-
-
-def run_md(args: argparse.Namespace) -> dict[str, Any]:
-    """``twinshard md``: run in the current world (torchrun or an enclosing launch), or spawn
-    ``--ranks`` local ranks; rank 0 prints the summary (and the JSON line with ``--json``)."""
-    from twinshard.runtime import get_world, in_torchrun, init_world, shared_pool
-
-    cfg = config_from_args(args)
-    if getattr(args, "ranks", 1) < 1:
-        raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
-    world = get_world()
-    if world is None and in_torchrun():
-        world = init_world()
-    if world is not None:
-        result = md_rank(cfg)
-        if world.rank != 0:
-            return result
-    else:
-        deadline = float(getattr(args, "timeout", 3600.0))
-        result = shared_pool().run(
-            md_rank, int(args.ranks), cfg, timeout=min(deadline, COLLECTIVE_TIMEOUT), deadline=deadline
-        )[0]
-    if getattr(args, "json", False):
-        print(json.dumps(result))
-    else:
-        _print_summary(result, cfg)
-    return result
-
-
-def _print_summary(result: dict[str, Any], cfg: MDConfig) -> None:
-    print(
-        f"twinshard md: {result['atoms']} atoms, {result['ranks']} ranks "
-        f"(grid {result['rank_grid']}), potential {result['potential']}, "
-        f"{result['steps']} steps of {cfg.dt} fs, thermostat {result['thermostat']}"
-    )
-    for k in RESULT_KEYS[4:] + ("final_temperature", "conserved_drift", "atoms_conserved"):
-        print(f"  {k:30s} {result.get(k)}")
-    if cfg.thermo and os.path.exists(cfg.thermo):
-        print(f"  thermo log: {cfg.thermo}")
 
 
 def result_keys() -> tuple[str, ...]:
