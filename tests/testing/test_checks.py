@@ -175,6 +175,43 @@ def test_negative_every_rank_runs_the_serial_module():
         check_twin(what="rows", grid="4x1", ranks=ranks, grad_output=g, serial_inputs={"z": z}, **side)
 
 
+def test_identical_nan_is_replicated_and_fails_where_it_is_wrong():
+    """A bug that reads uninitialized memory gathers the same NaN onto every rank (the CI
+    failure of the chunk control): replication holds, and the output's pieces name the fault."""
+    z, w, out, gz, gp, g = _serial_side()
+    params = [(k, tuple(p.shape)) for k, p in w.named_parameters()]
+    bad = out.clone()
+    bad[4, 2] = float("nan")
+    ranks = []
+    for piece, idx in _tiles(bad, 2, 2):
+        gz_nan = gz.clone()
+        gz_nan[0, 0] = float("nan")
+        ranks.append(
+            TwinResult(
+                out=bad.clone(),
+                grads_in={"z": gz_nan},
+                param_grads=gp,
+                params=params,
+                shards={"out": (piece, idx)},
+            )
+        )
+    side = dict(serial_module=w, serial_out=out, serial_grads_in={"z": gz}, serial_param_grads=gp)
+    with pytest.raises(AssertionError, match=r"nan: out: rank 2's piece differs from the full tensor"):
+        check_twin(what="nan", grid="2x2", ranks=ranks, grad_output=g, **side)
+    # a NaN on one rank only is a replication fault, and the message says where the NaN is
+    ranks[1].out = out.clone()
+    with pytest.raises(
+        AssertionError,
+        match=r"collected output is not replicated: rank 1 differs from rank 0 \(max diff 0 where "
+        r"neither is NaN; NaN at 1 elements on one rank only\)",
+    ):
+        check_twin(what="nan", grid="2x2", ranks=ranks, grad_output=g, **side)
+    # a rank whose value has another dtype is not a replica, even when the values agree
+    ranks[1].out = bad.float()
+    with pytest.raises(AssertionError, match=r"rank 0 has torch.float64 \(6, 6\), this rank torch.float32"):
+        check_twin(what="nan", grid="2x2", ranks=ranks, grad_output=g, **side)
+
+
 _PLUGIN_TEST = """
 import torch
 from twinshard.testing import assert_parity

@@ -163,16 +163,38 @@ def assert_replicated(per_rank: Sequence[Any], what: str) -> None:
         _same(ref, v, what, r)
 
 
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and values, NaN where the other has NaN: a NaN that a collective
+    copied to every rank is replicated (``torch.equal`` calls it different, NaN != NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    a, b = a.detach(), b.detach()
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _replication_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"rank 0 has {a.dtype} {tuple(a.shape)}, this rank {b.dtype} {tuple(b.shape)}"
+    x, y = a.detach().double(), b.detach().double()
+    nan_x, nan_y = x.isnan(), y.isnan()
+    both = ~(nan_x | nan_y)
+    finite = float((x[both] - y[both]).abs().max()) if bool(both.any()) else 0.0
+    text = f"max diff {finite:.3g} where neither is NaN"
+    if bool((nan_x != nan_y).any()):
+        text += f"; NaN at {int((nan_x != nan_y).sum())} elements on one rank only"
+    return text
+
+
 def _same(a: Any, b: Any, what: str, rank: int) -> None:
     if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor) or a.shape != b.shape or not torch.equal(a, b):
-            diff = (
-                float((a.double() - b.double()).abs().max())
-                if isinstance(b, torch.Tensor) and a.shape == b.shape
-                else "shape/type differs"
-            )
+        if not isinstance(b, torch.Tensor) or not _identical(a, b):
+            diff = _replication_diff(a, b) if isinstance(b, torch.Tensor) else f"got {type(b).__name__}"
             raise AssertionError(
-                f"{what} is not replicated: rank {rank} differs from rank 0 (max diff {diff}); a "
+                f"{what} is not replicated: rank {rank} differs from rank 0 ({diff}); a "
                 "replicated value must be identical on every rank (a missing all-reduce or broadcast?)"
             )
     elif isinstance(a, Mapping):
