@@ -84,6 +84,15 @@ MUTATIONS: list[Mutation] = [
         'return permute(x, ranks[(i - k) % n], ranks[(i + k) % n], recv_shape, op="ring_shift")',
         ("tests/comm/test_adjoint.py", "tests/pair/test_triangle.py"),
     ),
+    # -- testing: the harness's own checks
+    M(
+        "replication_nan_unequal",
+        "harness misreport",
+        "testing/checks.py",
+        "return bool(((a == b) | (a.isnan() & b.isnan())).all())",
+        "return bool((a == b).all())",
+        ("tests/testing/test_checks.py",),
+    ),
     # -- runtime: world teardown
     M(
         "late_import_keeps_group_alive",
