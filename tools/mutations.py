@@ -268,6 +268,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/pair/test_triangle_attention.py",),
     ),
     M(
+        "triattn_row_chunk_short",
+        "off-by-one block",
+        "pair/layers/triangle_attention.py",
+        "return [(a, min(a + step, n_rows)) for a in range(0, n_rows, step)]",
+        "return [(a, min(a + step, n_rows - 1)) for a in range(0, n_rows, step)]",
+        ("tests/pair/test_triangle_attention.py",),
+    ),
+    M(
+        "triattn_bias_grad_chunk_dropped",
+        "dropped reduction",
+        "pair/layers/triangle_attention.py",
+        "dblk = ds.sum(1) if dblk is None else dblk.add_(ds.sum(1))",
+        "dblk = ds.sum(1)",
+        ("tests/pair/test_triangle_attention.py",),
+    ),
+    M(
         "per_system_reduce_dropped",
         "dropped reduction",
         "tensors/dispatch.py",

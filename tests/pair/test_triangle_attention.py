@@ -8,6 +8,8 @@ What each test proves:
   gradient equal serial (fp64, the harness's round-off gate) on 1x1, 2x2, 3x3, 1x2, 2x3 grids,
   even and uneven N, with a random mask holding a fully masked row and a fully masked column
   (the reference's no-mask-bias rule, in both frames), and with ``mask=None`` on padded input.
+- ``test_query_rows_in_chunks_match_serial``: with the logits budget cut to a few rows, the
+  query rows of each ring step run in chunks (one row, and uneven chunks) and still equal serial.
 - ``test_cp_triangle_attention_fp32``: the same in fp32 against the fp32 serial module, under a
   budget derived in ``FP32_WHY``.
 - ``test_saved_bytes_per_rank``: saved-for-backward bytes per rank <= 1.25 x serial / P at 2x2
@@ -256,6 +258,46 @@ def test_cp_triangle_attention_matches_serial(grid, n, b):
             _check(grid, node, mode, b, n, ranks)
     for r, (_, pad_zero) in enumerate(ranks):
         assert all(pad_zero.values()), f"rank {r}: padding of the output is not zero: {pad_zero}"
+
+
+def _rank_chunked(grid, b, n, budget):
+    """``_rank_attention`` with the logits budget cut to a few query rows per chunk; also returns
+    the chunkings the ring used (forward and backward), so the test sees them cut."""
+    saved, used = (cp_ta.LOGITS_BUDGET, cp_ta.row_chunks), []
+
+    def spy(shape, keys):
+        used.append(saved[1](shape, keys))
+        return used[-1]
+
+    cp_ta.LOGITS_BUDGET, cp_ta.row_chunks = budget, spy
+    try:
+        return _rank_attention(grid, NODES, ("mask", "none"), b, n), used
+    finally:
+        cp_ta.LOGITS_BUDGET, cp_ta.row_chunks = saved
+
+
+# (grid, N, budget in logits elements): one row per chunk on 2x2 (tile rows 4, 32 elements a row);
+# uneven chunks on 2x3 (6 rows in 4 + 2) and 3x3 (3 rows in 2 + 1, 18 elements a row).
+CHUNKED = [((2, 2), 7, 32), ((2, 3), 9, 128), ((3, 3), 7, 36)]
+
+
+@pytest.mark.parametrize("grid,n,budget", CHUNKED, ids=[grid_id(g) for g, _, _ in CHUNKED])
+def test_query_rows_in_chunks_match_serial(grid, n, budget):
+    """The logits block held per ring step is bounded by cutting the tile's query rows into
+    chunks (``LOGITS_BUDGET``); forward and backward still equal serial at round-off."""
+    ranks = run_on_grid(_rank_chunked, grid, 1, n, budget)
+    for node in NODES:
+        for mode in ("mask", "none"):
+            _check(grid, node, mode, 1, n, [r[0] for r in ranks])
+    rows = PairLayout.for_sizes(n, grid).n_padded // grid[0]
+    for r, (_, used) in enumerate(ranks):
+        assert used, f"rank {r}: the ring never chose its row chunks"
+        for chunks in used:
+            sizes = [b - a for a, b in chunks]
+            assert len(chunks) > 1 and sum(sizes) == rows and chunks[0][0] == 0, (
+                f"rank {r}: rows {chunks} do not cut the tile's {rows} query rows into several chunks"
+            )
+            assert all(a1 == b0 for (_, b0), (a1, _) in zip(chunks, chunks[1:])), f"rank {r}: gap in {chunks}"
 
 
 @pytest.mark.parametrize("grid,n", [((2, 3), 9), ((3, 3), 7)], ids=["2x3-N9", "3x3-N7"])

@@ -44,8 +44,10 @@ Memory saved for backward per rank: the token-local activations of the serial mo
 tile (layer norm, projections, gate), plus for the attention q, k, v and the output of the
 tile, the own bias tile, the mask-bias tile and the log-sum-exp (heads x tile): no
 probabilities (the serial module saves ``B N^3 H`` of them). Transient: one key/value/bias
-block in use and one in flight, and the step's logits ``[B, Np/R, H, Np/C, Np/C]``. Nothing
-of size Np x Np, or of a full row of it, is held on any rank.
+block in use and one in flight, and the step's logits for one chunk of the tile's query rows,
+``[B, rows, H, Np/C, Np/C]`` with at most ``LOGITS_BUDGET`` elements (the whole
+``[B, Np/R, H, Np/C, Np/C]`` when it fits; at least one row). Nothing of size Np x Np, or of a
+full row of it, is held on any rank.
 """
 
 from __future__ import annotations
@@ -74,8 +76,10 @@ __all__ = [
     "CPTriangleAttention",
     "CPTriangleAttentionEndingNode",
     "CPTriangleAttentionStartingNode",
+    "LOGITS_BUDGET",
     "Packed",
     "ring_attend",
+    "row_chunks",
 ]
 
 Range = tuple[int, int]
@@ -203,6 +207,26 @@ def _merge(
     )
 
 
+# Elements of one logits block [B, rows, H, J, K] a ring step holds at once (128 MiB in fp64).
+# Whole, the step's block is [B, N/R, H, N/C, N/C]: at N = 1024 on 2x2 with 4 heads in fp32,
+# 2 GiB against a 128-channel pair tile's 128 MiB. Rows i attend independently, so cutting
+# them into chunks changes no value (the bias gradient's sum over i only regroups).
+LOGITS_BUDGET = 1 << 24
+
+
+def row_chunks(q_shape: Sequence[int], keys: int) -> list[Range]:
+    """The tile's query rows ``i`` cut so that one chunk's logits ``[B, rows, H, J, keys]``
+    hold at most ``LOGITS_BUDGET`` elements (at least one row per chunk)."""
+    B, n_rows, H, J = q_shape[0], q_shape[1], q_shape[2], q_shape[3]
+    per_row = max(1, B * H * J * keys)
+    step = max(1, min(n_rows, LOGITS_BUDGET // per_row))
+    return [(a, min(a + step, n_rows)) for a in range(0, n_rows, step)]
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def _logits(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bihjd,bihkd->bihjk", q, k) + bias.unsqueeze(1) + mb[:, :, None, None, :]
 
@@ -259,12 +283,17 @@ class _RingAttention(torch.autograd.Function):
         k, v, mb, bias = k.contiguous(), v.contiguous(), mb.contiguous(), bias.contiguous()
         C = grid.cols
         pend = _Step(grid, n, 0, (k, v, mb), bias, "tri_attn:ring")
-        m = l = acc = None
+        chunks = row_chunks(q.shape, k.shape[3])
+        state: list[tuple[Any, Any, Any]] = [(None, None, None)] * len(chunks)
         for t in range(C):
             (kt, vt, mbt), bblk, _ = pend.wait()
             if t + 1 < C:  # the next blocks travel while this one is multiplied
                 pend = _Step(grid, n, t + 1, (kt, vt, mbt), bias, "tri_attn:ring")
-            m, l, acc = _merge(m, l, acc, _logits(q, kt, bblk, mbt), vt)
+            state = [
+                _merge(*st, _logits(q[:, a:b], kt[:, a:b], bblk, mbt[:, a:b]), vt[:, a:b])
+                for st, (a, b) in zip(state, chunks)
+            ]
+        m, l, acc = (_cat_rows([st[i] for st in state]) for i in range(3))
         o = acc / l.unsqueeze(-1)
         lse = m + torch.log(l)
         ctx.grid, ctx.n = grid, n
@@ -284,13 +313,21 @@ class _RingAttention(torch.autograd.Function):
         op = "tri_attn:ring:backward"
         (kt, vt, mbt), bblk, _ = _Step(grid, n, 0, (k, v, mb), bias, op).wait()
         dkt, dvt = torch.zeros_like(k), torch.zeros_like(v)
+        chunks = row_chunks(q.shape, k.shape[3])
         for t in range(C):
-            p = torch.exp(_logits(q, kt, bblk, mbt) - lse.unsqueeze(-1))
-            dvt = dvt + torch.einsum("bihjk,bihjd->bihkd", p, do)
-            ds = p * (torch.einsum("bihjd,bihkd->bihjk", do, vt) - delta.unsqueeze(-1))
-            dq = dq + torch.einsum("bihjk,bihkd->bihjd", ds, kt)
-            dkt = dkt + torch.einsum("bihjk,bihjd->bihkd", ds, q)
-            dblk = ds.sum(1)  # [B, H, J, K]: this rank's rows i of the bias gradient
+            dblk = None  # [B, H, J, K]: this rank's rows i of the bias gradient, summed over i
+            for a, b in chunks:  # in place: dkt, dvt are this rank's own (received) buffers
+                p = torch.exp(_logits(q[:, a:b], kt[:, a:b], bblk, mbt[:, a:b]) - lse[:, a:b].unsqueeze(-1))
+                dvt[:, a:b] += torch.einsum("bihjk,bihjd->bihkd", p, do[:, a:b])
+                ds = p * (
+                    torch.einsum("bihjd,bihkd->bihjk", do[:, a:b], vt[:, a:b]) - delta[:, a:b].unsqueeze(-1)
+                )
+                del p
+                dq[:, a:b] += torch.einsum("bihjk,bihkd->bihjd", ds, kt[:, a:b])
+                dkt[:, a:b] += torch.einsum("bihjk,bihjd->bihkd", ds, q[:, a:b])
+                dblk = ds.sum(1) if dblk is None else dblk.add_(ds.sum(1))
+                del ds
+            assert dblk is not None  # at least one row
             # One exchange: the bias gradients of step t go back to their owners, and either
             # the key tiles with their accumulators move on, or (last step) the accumulators go home.
             gsend, grecv = _bias_grad_moves(grid, n, t)
