@@ -122,6 +122,47 @@ def test_one_rank_axes_hold_no_images_and_equal_serial():
     _assert_parity(old, s, "P=2 grid (2,1,1), images as halo rows")
 
 
+def _rank_shift_cache(grid):
+    system = make_system() if dist.get_rank() == 0 else None
+    sh = ShardedSystem.scatter(system, cutoff=KW["cutoff"], skin=SKIN, grid=grid)
+    f64, dev = torch.float64, sh.device
+
+    def recomputed():
+        sh._shifts = None  # the cache's own slot: what a cold call returns
+        return sh.edge_shifts(f64, dev)
+
+    first = sh.edge_shifts(f64, dev)
+    fresh = first.clone()
+    out = {"reused": sh.edge_shifts(f64, dev) is first, "nonzero": bool(fresh.abs().max() > 1.0)}
+    first.add_(1.0)  # a model writing into its input in place
+    got = sh.edge_shifts(f64, dev)
+    out["after_inplace"] = got is not first and torch.equal(got, fresh)
+    got.requires_grad_(True)  # ... or making it a leaf of its graph
+    again = sh.edge_shifts(f64, dev)
+    out["after_requires_grad"] = again is not got and not again.requires_grad and torch.equal(again, fresh)
+    cell = sh.cell.clone()
+    sh.cell = cell * 1.01  # a barostat step: same edges, another cell
+    scaled = sh.edge_shifts(f64, dev)
+    out["after_cell"] = not torch.equal(scaled, fresh) and torch.equal(scaled, recomputed())
+    sh.cell = cell
+    before = sh.edge_shifts(f64, dev)
+    sh.edges = None  # a neighbour-list rebuild: a new list object
+    rebuilt = sh.edge_shifts(f64, dev)
+    out["after_rebuild"] = rebuilt is not before and torch.equal(rebuilt, fresh)
+    single = sh.edge_shifts(torch.float32, dev)
+    out["other_dtype"] = single.dtype == torch.float32 and torch.allclose(
+        single.double(), fresh, rtol=1e-6, atol=1e-5
+    )
+    return out
+
+
+def test_edge_shifts_are_reused_until_their_inputs_change():
+    """The dispatch's edge shifts are computed once per edge list, plan and cell, and computed
+    anew when any of them, or the tensor itself, changed."""
+    for r, out in enumerate(run_on_world(_rank_shift_cache, 2, (2, 1, 1))):
+        assert all(out.values()), f"rank {r}: {out}"
+
+
 def test_negative_control_dropped_wrap_shift_fails_parity():
     s = _serial()
     res = run_on_world(_rank, 1, None, True, "block_inputs_drops_wrap_shift")

@@ -178,17 +178,12 @@ def block_inputs(
     else:
         pos = x
     cell = sharded.cell.to(x.device, x.dtype)
-    frame = torch.cat([plan.owned_shift, plan.halo_shift]).to(x.device)
-    # integer lattice translation of each edge: the two rows' frames plus the block list's own
-    # shift along the wrap axes; summed exactly in int64, then one product with the cell
-    n = frame[e.senders] - frame[e.receivers] + e.cell_shifts.to(x.device)
-    shifts = n.to(x.dtype) @ cell
     return {
         "positions": pos,
         "numbers": numbers,
         "senders": e.senders,
         "receivers": e.receivers,
-        "shifts": shifts,
+        "shifts": sharded.edge_shifts(x.dtype, x.device),
         "batch": batch,
         "cell": cell[None],
         **system_values([sharded.info], x),

@@ -124,6 +124,7 @@ class ShardedSystem:
         self._edges: Edges | None = None
         self._half: Edges | None = None
         self._block: torch.Tensor | None = None
+        self._shifts: tuple[Any, ...] | None = None  # edge_shifts' cache: (edges, plan, cell, shifts)
         self.neighbor_seconds = 0.0
         self.halo_numbers = torch.zeros(0, dtype=torch.int64)
         self._ref: torch.Tensor | None = None
@@ -449,6 +450,34 @@ class ShardedSystem:
         wrap = self.plan.wrap
         cell = self.cell if any(wrap) else None
         return neighbor_list(self._block, self.cutoff + self.skin, cell, wrap, half=half)
+
+    def edge_shifts(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """``[n_edges, 3]`` Cartesian shift of each edge of :attr:`edges` in the unwrapped frame
+        of the block's positions (``r_ij = x[j] + shift - x[i]``): the two rows' frames plus the
+        list's own lattice shift along the wrap axes, summed exactly in int64, then one product
+        with the cell. Reused while the edge list, the plan, the cell and the tensor itself are
+        unchanged, in place or by ``requires_grad_`` (a plain model's input at every evaluation:
+        ~3% of a 4,400-atom step)."""
+        plan, e = self.plan, self.edges
+        assert plan is not None
+        cell = self.cell.to(device, dtype)
+        got = self._shifts
+        if (
+            got is not None
+            and got[0] is e
+            and got[1] is plan
+            and got[3].dtype == dtype
+            and got[3].device == torch.device(device)
+            and got[3]._version == got[4]
+            and not got[3].requires_grad
+            and torch.equal(got[2], cell)
+        ):
+            return got[3]
+        frame = torch.cat([plan.owned_shift, plan.halo_shift]).to(device)
+        n = frame[e.senders] - frame[e.receivers] + e.cell_shifts.to(device)
+        shifts = n.to(dtype) @ cell
+        self._shifts = (e, plan, cell.clone(), shifts, shifts._version)
+        return shifts
 
     def half_edges(self) -> Edges:
         """Each pair of the whole system within ``cutoff + skin`` exactly once over all ranks.
