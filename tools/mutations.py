@@ -292,6 +292,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/atoms/test_wrap_axes.py",),
     ),
     M(
+        "routing_kept_per_rank_key",
+        "stale cache",
+        "tensors/dispatch.py",
+        "key = (tuple(v for k in keys for v in k), n, me)",
+        "key = (tuple(mine), n, me)",
+        ("tests/tensors/test_dispatch.py",),
+    ),
+    M(
+        "routing_ignores_index_version",
+        "stale cache",
+        "tensors/dispatch.py",
+        "        index._version,\n",
+        "",
+        ("tests/tensors/test_dispatch.py",),
+    ),
+    M(
         "per_system_reduce_dropped",
         "dropped reduction",
         "tensors/dispatch.py",

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from twinshard.atoms import structures
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
+from twinshard.comm.ledger import CommLedger
 from twinshard.tensors.dispatch import REGISTRY
 from twinshard.tensors.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec
 from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
@@ -223,6 +224,85 @@ def test_sharded_storage(nranks):
         )
         for name, (lhs, rhs) in zip(("gather", "scatter"), r["adj"]):
             assert _gap(lhs, rhs) < 1e-12, f"adjoint of sharded {name} P={nranks}: {lhs} vs {rhs}"
+
+
+def _rank_routing():
+    """Sharded gathers and scatters repeated with kept routings: rank 0 passes the SAME index to
+    two different calls while the other ranks pass two different ones (a key of one rank's index
+    alone would hand rank 0 the wrong call's routing), then rank 1 alone writes its index."""
+    me, p = dist.get_rank(), dist.get_world_size()
+    counts = COUNTS[p]
+    total = sum(counts)
+    off = sum(counts[:me])
+    table = _values(torch.arange(total), 4)
+    spec = ShardSpec(Owned(tuple(counts)))
+    x = from_local(table[off : off + counts[me]].clone(), spec)
+    gen = torch.Generator().manual_seed(200 + me)
+    a = torch.randint(0, total, (7,), generator=gen)
+    b = a if me == 0 else torch.randint(0, total, (5,), generator=gen)
+    src_a, src_b = (torch.randn(t.shape[0], F, generator=gen, dtype=torch.float64) for t in (a, b))
+    ledger = CommLedger()
+    got = []
+    with ledger:
+        for _ in range(3):
+            zero = ShardTensor.wrap(torch.zeros(counts[me], F, dtype=torch.float64), spec)
+            acc = zero.index_add(0, a, src_a).index_add(0, b, src_b)
+            got.append((x.index_select(0, a), x.index_select(0, b), to_local(acc)))
+    calls = {k: v.calls for k, v in ledger.ops.items()}
+    if me == 1:
+        b.add_(1).remainder_(total)  # written in place on one rank only
+    with ledger:
+        after = x.index_select(0, b)
+    routed = ledger.ops["sharded_gather"].calls
+    return {"a": a, "b": b.clone(), "got": got, "after": after, "calls": calls, "routed_after": routed}
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_sharded_routing_is_kept_per_call_on_every_rank(nranks):
+    counts = COUNTS[nranks]
+    total = sum(counts)
+    table = _values(torch.arange(total), 4)
+    res = run_on_world(_rank_routing, nranks)
+    for q, r in enumerate(res):
+        gen = torch.Generator().manual_seed(200 + q)
+        a0 = torch.randint(0, total, (7,), generator=gen)
+        b0 = a0 if q == 0 else torch.randint(0, total, (5,), generator=gen)
+        for i, (ga, gb, _) in enumerate(r["got"]):
+            assert_parity(
+                ga, table[a0], what=f"kept routing P={nranks} rank {q} call a, run {i}", grid=str(nranks)
+            )
+            assert_parity(
+                gb, table[b0], what=f"kept routing P={nranks} rank {q} call b, run {i}", grid=str(nranks)
+            )
+            assert torch.equal(r["got"][i][2], r["got"][0][2]), (
+                f"rank {q}: scatter of run {i} differs from run 0"
+            )
+        assert_parity(
+            r["after"], table[r["b"]], what=f"routing after rank 1's write, rank {q}", grid=str(nranks)
+        )
+        # the ids travel in the first run only (two gathers, two scatters), and again on every
+        # rank once one rank's index changed; every call gathers the ranks' index keys
+        c = r["calls"]
+        assert (c["sharded_gather"], c["sharded_scatter"]) == (2, 2), f"rank {q}: {c}"
+        assert c["sharded_storage:route_keys"] == 12, f"rank {q}: {c}"
+        assert r["routed_after"] == 3, (
+            f"rank {q}: the write on rank 1 was not seen here ({r['routed_after']})"
+        )
+    full = torch.zeros(total, F, dtype=torch.float64)
+    for q in range(nranks):
+        gen = torch.Generator().manual_seed(200 + q)
+        a0 = torch.randint(0, total, (7,), generator=gen)
+        b0 = a0 if q == 0 else torch.randint(0, total, (5,), generator=gen)
+        src_a, src_b = (torch.randn(t.shape[0], F, generator=gen, dtype=torch.float64) for t in (a0, b0))
+        full.index_add_(0, a0, src_a).index_add_(0, b0, src_b)
+    for q, r in enumerate(res):
+        off = sum(counts[:q])
+        assert_parity(
+            r["got"][0][2],
+            full[off : off + counts[q]],
+            what=f"kept scatter P={nranks} rank {q}",
+            grid=str(nranks),
+        )
 
 
 # ---------------------------------------------------------------------- unhandled ops, registry

@@ -27,8 +27,10 @@ ShardTensor over a leaf ``x``; ``numbers`` and ``batch`` likewise; ``senders``, 
 
 Communication (one choice, and why): a gather of sender rows (``h.index_select(0, senders)``, once
 per layer and once for the positions) is the dispatch's uneven all-to-all of just the rows a rank's
-edges touch (``sharded_gather``: one all-to-all of counts, one of ids, one of rows; backward: the
-reverse all-to-all and a local index_add), not an all-gather of the whole feature matrix with its
+edges touch (``sharded_gather``: one all-to-all of counts, one of ids, one of rows; the counts and
+ids only the first time the ranks gather with these edge tensors, then an all-gather of 13
+integers per rank that says so; backward: the reverse all-to-all and a local index_add), not an
+all-gather of the whole feature matrix with its
 reduce-scatter adjoint: bytes and memory per rank scale with the rows a rank needs (its block and
 the boundary rows of its neighbours' blocks), not with N x features per layer, and the handler and
 its adjoint already exist and are tested. ``index_add_`` into an owned buffer ships contributions
@@ -436,9 +438,10 @@ def graph_compute(
     ``offsets[rank]:offsets[rank + 1]``); ``energy``, ``virial``, ``stress`` replicated: for one
     system a scalar and ``[3, 3]`` (``stress`` None without a cell volume), for a batch of S
     systems ``[S]`` and ``[S, 3, 3]`` (a system without volume has a NaN stress). ``stress =
-    -virial / V``. Collectives: see the module docstring (forward: per gather three all-to-alls,
-    one all-reduce per per-system sum; backward: their adjoints; the displacement's gradient one
-    all-reduce). Memory per rank: the autograd graph of the owned rows and edges."""
+    -virial / V``. Collectives: see the module docstring (forward: per gather or scatter one
+    all-gather of the ranks' index keys and one all-to-all of rows, plus two all-to-alls of
+    routing the first time an index is seen; one all-reduce per per-system sum; backward: their
+    adjoints; the displacement's gradient one all-reduce). Memory per rank: the autograd graph of the owned rows and edges."""
     _check(dp, g)
     x = g.positions.detach().requires_grad_(True)
     out = _call(

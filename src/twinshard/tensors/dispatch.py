@@ -45,7 +45,11 @@ all_to_all — so its backward is the exact adjoint, tested with ``adjoint_pair`
     index_add); ``index_add(_)``/``scatter_add(_)`` ships contributions to the
     owners' rows. ``PAD`` (-1) ids gather zero rows and scatter nothing; ids out of range
     raise on every rank (flagged in the counts all-to-all). A placement with ``to_global(ids,
-    rank)`` addresses rows relative to the rank (the graph storage's ``OwnedFirst``).
+    rank)`` addresses rows relative to the rank (the graph storage's ``OwnedFirst``). The
+    routing (the counts and ids all-to-alls, the ``unique`` and sort) is kept per call and
+    reused while every rank's index is the same tensor, unwritten (one all-gather of the ranks'
+    index keys per call decides, the same on every rank): a model gathering with its edge index
+    at every layer routes once.
 ``replicated_grads``
     ``torch.autograd.grad`` with ShardTensor inputs beside plain ones (a strain
     or displacement every rank applies, as MACE's stress): the plain inputs are
@@ -63,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard.comm import primitives as prim
+from twinshard.runtime.world import on_shutdown
 from twinshard.tensors.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec
 from twinshard.tensors.shard_tensor import ShardTensor, _leaves, from_local, to_local
 
@@ -503,6 +508,61 @@ def _route(ids: torch.Tensor, offsets: list[int], x: ShardTensor, nranks: int) -
     return owner, send.tolist(), recv.tolist()
 
 
+# The routing of a sharded gather or scatter (which ids each rank sends where) depends on every
+# rank's index, the placement and the group's shape only, and a model gathers with the same edge
+# index at every layer and evaluation. So it is kept, keyed by the call's index on EVERY rank (one
+# all-gather of each rank's index key: storage address, offset, shape, stride, version) and reused
+# when every rank holds it. A kept entry holds its index storage, so an address in a key cannot
+# be reused by another tensor while the entry lives; a write to the index (its version) or
+# another index on any rank is a new key. Ranks insert and evict on the same calls (the keys are
+# gathered), so their caches agree.
+_ROUTES: dict[tuple, tuple] = {}
+ROUTES_KEPT = 8
+_KINDS = {"gather": 1, "scatter": 2}
+_KEY_DIMS = 4  # indices of more dims are not kept (routed at every call)
+on_shutdown(_ROUTES.clear)  # device tensors of a finished world's runs
+
+
+def _index_key(kind: str, index: torch.Tensor) -> list[int]:
+    if index.dim() > _KEY_DIMS:
+        return [0] * (5 + 2 * _KEY_DIMS)
+    pad = [-1] * (_KEY_DIMS - index.dim())
+    return [
+        _KINDS[kind],
+        index.untyped_storage().data_ptr(),
+        index.storage_offset(),
+        index._version,
+        index.dim(),
+        *index.shape,
+        *pad,
+        *index.stride(),
+        *pad,
+    ]
+
+
+def _routing(kind: str, index: torch.Tensor, x: ShardTensor, build: Callable[[], tuple]) -> tuple:
+    """``build()``'s routing of this call, or the kept one (collective on more than one rank:
+    one all-gather of ``[rank's index key, holds the previous key]``, 14 int64 per rank)."""
+    n, me = prim.group_size(x.group), prim.group_rank(x.group)
+    mine = _index_key(kind, index)
+    if n == 1:
+        key, keys = (tuple(mine), 1, 0), [mine]
+    else:
+        row = torch.tensor(mine, dtype=torch.int64, device=x._local.device)
+        every = prim.all_gather(row[None], 0, x.group, op="sharded_storage:route_keys")
+        keys = every.tolist()
+        key = (tuple(v for k in keys for v in k), n, me)
+    got = _ROUTES.get(key)
+    if got is not None and got[1] == x._spec.placement:
+        return got[2]
+    routing = build()
+    if all(k[0] != 0 for k in keys):  # every rank's index can be keyed: every rank keeps it
+        while len(_ROUTES) >= ROUTES_KEPT:
+            _ROUTES.pop(next(iter(_ROUTES)))
+        _ROUTES[key] = (index.untyped_storage(), x._spec.placement, routing)
+    return routing
+
+
 def _sharded_pred(kind: str) -> Callable[[Any, tuple, dict], bool]:
     base = _index_pred(kind, Owned)
 
@@ -521,17 +581,22 @@ def _run_sharded_gather(func: Any, args: tuple, kwargs: dict) -> Any:
     x: ShardTensor = c.target
     offsets, me, nranks = _layout(x)
     gidx = _plain(c.index)
-    flat = gidx.reshape(-1).to(torch.int64)
-    valid = flat != PAD
-    uniq, inverse = torch.unique(_global_ids(x, flat[valid], me), sorted=True, return_inverse=True)
-    _, s, r = _route(uniq, offsets, x, nranks)
     dev = x._local.device
-    wanted = prim.all_to_all(uniq.to(dev), s, r, x.group, op="sharded_gather")  # ids others need
-    rows = to_local(x).index_select(0, wanted - offsets[me])
+
+    def route() -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+        flat = gidx.reshape(-1).to(torch.int64)
+        valid = flat != PAD
+        uniq, inverse = torch.unique(_global_ids(x, flat[valid], me), sorted=True, return_inverse=True)
+        _, s, r = _route(uniq, offsets, x, nranks)
+        wanted = prim.all_to_all(uniq.to(dev), s, r, x.group, op="sharded_gather")  # ids others need
+        pos = torch.full((flat.numel(),), uniq.numel(), dtype=torch.int64, device=dev)
+        pos[valid] = inverse
+        return wanted - offsets[me], s, r, pos
+
+    mine, s, r, pos = _routing("gather", gidx, x, route)
+    rows = to_local(x).index_select(0, mine)
     got = _RowsAllToAll.apply(rows, r, s, x.group) if nranks > 1 else rows  # rows back, in uniq order
     padded = torch.cat([got, got.new_zeros((1,) + tuple(got.shape[1:]))])
-    pos = torch.full((flat.numel(),), uniq.numel(), dtype=torch.int64, device=dev)
-    pos[valid] = inverse
     out = padded.index_select(0, pos).reshape(tuple(gidx.shape) + tuple(got.shape[1:]))
     if c.rest:
         out = out[(slice(None),) * gidx.dim() + c.rest]
@@ -543,27 +608,33 @@ def _run_sharded_scatter(func: Any, args: tuple, kwargs: dict) -> Any:
     assert c is not None
     x: ShardTensor = c.target
     offsets, me, nranks = _layout(x)
-    index = _plain(c.index)
+    given = _plain(c.index)
     src = to_local(c.source)
-    if index.dim() > 1:  # scatter_add with an index expanded along the feature dims
-        if not bool((index == index[(slice(None),) + (slice(0, 1),) * (index.dim() - 1)]).all()):
-            raise NotImplementedError(
-                "sharded scatter_add: the index must be constant along the feature dims"
-            )
-        index = index.reshape(index.shape[0], -1)[:, 0]
-    index = index.to(torch.int64)
-    keep = torch.nonzero(index != PAD).flatten()
-    ids = _global_ids(x, index[keep], me)
-    owner, s, r = _route(ids, offsets, x, nranks)
-    order = torch.sort(owner, stable=True).indices
     dev = x._local.device
-    ids_in = prim.all_to_all(ids[order].to(dev), s, r, x.group, op="sharded_scatter")
-    vals = src.index_select(0, keep[order])
+
+    def route() -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+        index = given
+        if index.dim() > 1:  # scatter_add with an index expanded along the feature dims
+            if not bool((index == index[(slice(None),) + (slice(0, 1),) * (index.dim() - 1)]).all()):
+                raise NotImplementedError(
+                    "sharded scatter_add: the index must be constant along the feature dims"
+                )
+            index = index.reshape(index.shape[0], -1)[:, 0]
+        index = index.to(torch.int64)
+        keep = torch.nonzero(index != PAD).flatten()
+        ids = _global_ids(x, index[keep], me)
+        owner, s, r = _route(ids, offsets, x, nranks)
+        order = torch.sort(owner, stable=True).indices
+        ids_in = prim.all_to_all(ids[order].to(dev), s, r, x.group, op="sharded_scatter")
+        return keep[order], s, r, ids_in - offsets[me]
+
+    picked, s, r, rows_in = _routing("scatter", given, x, route)
+    vals = src.index_select(0, picked)
     if c.alpha != 1:
         vals = vals * c.alpha
     vals_in = _RowsAllToAll.apply(vals, s, r, x.group) if nranks > 1 else vals
     local = to_local(x)
-    contrib = torch.zeros_like(local).index_add(0, ids_in - offsets[me], vals_in.to(local.dtype))
+    contrib = torch.zeros_like(local).index_add(0, rows_in, vals_in.to(local.dtype))
     full = from_local(contrib, x._spec)
     if c.inplace:
         return x.add_(full)
