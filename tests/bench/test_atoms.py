@@ -116,15 +116,16 @@ def test_bench_atoms_mace_md(capsys):
 
 
 def test_bench_atoms_overhead_mpnn(capsys):
-    """--mode overhead: hooks, dispatch (same weights, loaded strict) and at P=1 the plain model
-    and the serial evaluator, side by side; parity fields at round-off, ratios present."""
+    """--mode overhead: hooks, dispatch and graph storage (same weights, loaded strict) and at P=1
+    the plain model and the serial evaluator, side by side; parity fields at round-off (the graph
+    leg's forces by its own ids), ratios present."""
     r = _bench(
         ["--mode", "overhead", "--atoms", "108", "--ranks", "1,2", "--repeats", "1", "--stress"], capsys
     )
     assert r["mode"] == "overhead" and r["stress"] and r["atoms"] == 108
     assert [sorted(x["legs"]) for x in r["runs"]] == [
-        ["dispatch", "hooks", "plain", "serial"],
-        ["dispatch", "hooks"],
+        ["dispatch", "graph", "hooks", "plain", "serial"],
+        ["dispatch", "graph", "hooks"],
     ]
     for run in r["runs"]:
         # P=1, periodic: images are edge shifts, no halo rows (and none estimated); P=2 splits one axis
@@ -137,6 +138,7 @@ def test_bench_atoms_overhead_mpnn(capsys):
             assert min(leg["peak_memory_bytes_per_rank"]) > 0
     ratios = ["dispatch_over_hooks_P1", "dispatch_over_hooks_P2", "hooks_over_plain_P1"]
     ratios += ["dispatch_over_plain_P1", "hooks_over_serial_P1", "dispatch_over_hooks_cpu_P2"]
+    ratios += ["graph_over_dispatch_P1", "graph_over_dispatch_P2"]
     for key in ratios:
         assert r[key] > 0, key
     assert r["max_force_error"] <= 1e-13 and isinstance(r["dispatch_target_met"], bool)

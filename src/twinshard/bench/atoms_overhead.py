@@ -9,12 +9,15 @@ drift of the machine's load spreads over all legs):
 - ``dispatch``: :class:`~twinshard.atoms.potentials.mpnn_plain.PlainMessagePassing` (plain
   PyTorch, no twinshard call) unmodified through ``DistributedPotential(mode="dispatch")``, with
   the hooks model's ``state_dict`` loaded strict (same names, same weights);
+- ``graph``: the same plain model through graph-parallel storage
+  (:class:`~twinshard.atoms.graph_storage.GraphSharded`, ``graph_compute``): the summary's
+  ``graph_over_dispatch_P{P}`` is graph storage's time over halo storage's;
 - at P = 1 only, ``plain``: the plain model on plain tensors
   (:func:`~twinshard.atoms.plain_inputs.evaluate_plain`: no ShardTensor, no halo, no
   communication), and ``serial``: the hooks model through the serial evaluator
   (:func:`~twinshard.atoms.potentials.evaluate`, the identity refresh).
 
-``--potential mace``: the ``dispatch`` and ``plain`` legs (MACE has no refresh-hook twin).
+``--potential mace``: the ``dispatch``, ``graph`` and ``plain`` legs (MACE has no refresh-hook twin).
 Forces and energies (as an MD step) unless ``--stress``. Note that with ``--stress`` the two
 message-passing models differ in how they strain: the plain model displaces positions and edge
 shifts per atom and per edge (as MACE does), the hooks path strains the block once.
@@ -101,6 +104,7 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
 
     from twinshard.atoms.distributed import DistributedPotential
     from twinshard.atoms.driver import ghost_shell_estimate
+    from twinshard.atoms.graph_storage import GraphSharded, graph_compute
     from twinshard.atoms.neighbors import VerletList
     from twinshard.atoms.plain_inputs import evaluate_plain
     from twinshard.atoms.potentials import evaluate
@@ -121,6 +125,8 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
         legs["hooks"] = lambda: dp_hooks.compute(sharded, compute_stress=stress)
     dp_dispatch = DistributedPotential(plain, mode="dispatch")
     legs["dispatch"] = lambda: dp_dispatch.compute(sharded, compute_stress=stress)
+    graph = GraphSharded.scatter(system, 0, cutoff=float(plain.cutoff), skin=skin)
+    legs["graph"] = lambda: graph_compute(dp_dispatch, graph, compute_stress=stress)
     if nranks == 1:
         assert system is not None
         v_plain = VerletList(plain.cutoff, skin)
@@ -156,6 +162,11 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
         for k in names
         if k in ("hooks", "dispatch")
     }
+    g_counts = graph.counts()
+    graph_ids = prim.all_gather(graph.ids.contiguous(), 0, sharded.group, g_counts, op="bench")
+    forces["graph"] = prim.all_gather(
+        results["graph"].forces.contiguous(), 0, sharded.group, g_counts, op="bench"
+    )
     if world.rank != 0:
         return {}
     stats = stats.cpu()
@@ -186,7 +197,7 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
             "seconds_all_rank0": wall[k],
             "energy": float(res.energy),
             "virial": res.virial,
-            "ids": ids if k in forces else system.ids,  # type: ignore[union-attr]
+            "ids": graph_ids if k == "graph" else ids if k in forces else system.ids,  # type: ignore[union-attr]
             "forces": forces.get(k, res.forces),
         }
         out["legs"][k] = leg
@@ -264,7 +275,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
         def ratio(a: str, b: str, key: str, legs: dict = legs) -> float | None:
             return legs[a][key] / legs[b][key] if a in legs and b in legs else None
 
-        pairs = [("dispatch", "hooks")] + (
+        pairs = [("dispatch", "hooks"), ("graph", "dispatch")] + (
             [("hooks", "plain"), ("dispatch", "plain"), ("hooks", "serial")] if p == 1 else []
         )
         for a, b in pairs:

@@ -583,7 +583,7 @@ def _run_sharded_gather(func: Any, args: tuple, kwargs: dict) -> Any:
     gidx = _plain(c.index)
     dev = x._local.device
 
-    def route() -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+    def route() -> tuple[torch.Tensor, list[int], list[int], torch.Tensor, bool]:
         flat = gidx.reshape(-1).to(torch.int64)
         valid = flat != PAD
         uniq, inverse = torch.unique(_global_ids(x, flat[valid], me), sorted=True, return_inverse=True)
@@ -591,13 +591,14 @@ def _run_sharded_gather(func: Any, args: tuple, kwargs: dict) -> Any:
         wanted = prim.all_to_all(uniq.to(dev), s, r, x.group, op="sharded_gather")  # ids others need
         pos = torch.full((flat.numel(),), uniq.numel(), dtype=torch.int64, device=dev)
         pos[valid] = inverse
-        return wanted - offsets[me], s, r, pos
+        return wanted - offsets[me], s, r, pos, not bool(valid.all())
 
-    mine, s, r, pos = _routing("gather", gidx, x, route)
+    mine, s, r, pos, pad = _routing("gather", gidx, x, route)
     rows = to_local(x).index_select(0, mine)
     got = _RowsAllToAll.apply(rows, r, s, x.group) if nranks > 1 else rows  # rows back, in uniq order
-    padded = torch.cat([got, got.new_zeros((1,) + tuple(got.shape[1:]))])
-    out = padded.index_select(0, pos).reshape(tuple(gidx.shape) + tuple(got.shape[1:]))
+    if pad:  # PAD ids read the zero row after the fetched ones
+        got = torch.cat([got, got.new_zeros((1,) + tuple(got.shape[1:]))])
+    out = got.index_select(0, pos).reshape(tuple(gidx.shape) + tuple(got.shape[1:]))
     if c.rest:
         out = out[(slice(None),) * gidx.dim() + c.rest]
     return out
