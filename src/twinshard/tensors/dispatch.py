@@ -517,7 +517,7 @@ def _route(ids: torch.Tensor, offsets: list[int], x: ShardTensor, nranks: int) -
 # another index on any rank is a new key. Ranks insert and evict on the same calls (the keys are
 # gathered), so their caches agree.
 _ROUTES: dict[tuple, tuple] = {}
-ROUTES_KEPT = 8
+ROUTES_KEPT = 4  # a model routes with 2-3 edge tensors; a stale entry holds its index's memory
 _KINDS = {"gather": 1, "scatter": 2}
 _KEY_DIMS = 4  # indices of more dims are not kept (routed at every call)
 on_shutdown(_ROUTES.clear)  # device tensors of a finished world's runs
