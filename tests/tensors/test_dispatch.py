@@ -171,14 +171,17 @@ def test_per_system_reduce(nranks):
 COUNTS = {1: [7], 2: [5, 0], 3: [4, 1, 6], 4: [3, 5, 0, 4]}
 
 
-def _rank_storage():
+def _storage_rows():
+    """This rank's rows of the ``COUNTS`` table in ``Owned`` storage: (rank, counts, N, spec, rows)."""
     me, p = dist.get_rank(), dist.get_world_size()
     counts = COUNTS[p]
-    total = sum(counts)
-    off = sum(counts[:me])
+    total, off = sum(counts), sum(counts[:me])
     table = _values(torch.arange(total), 4)
-    spec = ShardSpec(Owned(tuple(counts)))
-    local = table[off : off + counts[me]].clone()
+    return me, counts, total, ShardSpec(Owned(tuple(counts))), table[off : off + counts[me]].clone()
+
+
+def _rank_storage():
+    me, counts, total, spec, local = _storage_rows()
     gen = torch.Generator().manual_seed(80 + me)
     ids = torch.randint(0, total, (9,), generator=gen)
     ids[::4] = PAD
@@ -230,13 +233,8 @@ def _rank_routing():
     """Sharded gathers and scatters repeated with kept routings: rank 0 passes the SAME index to
     two different calls while the other ranks pass two different ones (a key of one rank's index
     alone would hand rank 0 the wrong call's routing), then rank 1 alone writes its index."""
-    me, p = dist.get_rank(), dist.get_world_size()
-    counts = COUNTS[p]
-    total = sum(counts)
-    off = sum(counts[:me])
-    table = _values(torch.arange(total), 4)
-    spec = ShardSpec(Owned(tuple(counts)))
-    x = from_local(table[off : off + counts[me]].clone(), spec)
+    me, counts, total, spec, local = _storage_rows()
+    x = from_local(local, spec)
     gen = torch.Generator().manual_seed(200 + me)
     a = torch.randint(0, total, (7,), generator=gen)
     b = a if me == 0 else torch.randint(0, total, (5,), generator=gen)
