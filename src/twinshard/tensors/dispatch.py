@@ -541,8 +541,8 @@ def _index_key(kind: str, index: torch.Tensor) -> list[int]:
 
 
 def _routing(kind: str, index: torch.Tensor, x: ShardTensor, build: Callable[[], tuple]) -> tuple:
-    """``build()``'s routing of this call, or the kept one (collective on more than one rank:
-    one all-gather of ``[rank's index key, holds the previous key]``, 14 int64 per rank)."""
+    """``build()``'s routing of this call, or the kept one (collective on more than one rank: one
+    all-gather of every rank's index key, 13 int64 per rank, before any routing collective)."""
     n, me = prim.group_size(x.group), prim.group_rank(x.group)
     mine = _index_key(kind, index)
     if n == 1:
