@@ -61,6 +61,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/comm/test_adjoint.py",),
     ),
     M(
+        "scatter_index_varying_ignored",
+        "silent wrong input",
+        "tensors/dispatch.py",
+        "owner, s, r = _route(ids, offsets, x, nranks, not_constant=varying)",
+        "owner, s, r = _route(ids, offsets, x, nranks, not_constant=False)",
+        ("tests/tensors/test_dispatch.py",),
+    ),
+    M(
         "all_to_all_bwd_splits",
         "wrong adjoint",
         "comm/ops.py",

@@ -303,6 +303,41 @@ def test_sharded_routing_is_kept_per_call_on_every_rank(nranks):
         )
 
 
+def _rank_scatter_index(case):
+    """scatter_add with a 2-D index: materialised but constant along the features (routed as its
+    first column), or, on rank 0 only, varying along them (not supported: every rank must raise,
+    none may wait in the routing all-to-all)."""
+    me, counts, total, spec, _ = _storage_rows()
+    gen = torch.Generator().manual_seed(300 + me)
+    ids = torch.randint(0, total, (6,), generator=gen)
+    src = torch.randn(6, F, generator=gen, dtype=torch.float64)
+    index = ids[:, None].expand(6, F).clone()  # strides (F, 1): constancy is checked, not assumed
+    if case == "varying" and me == 0:
+        index[0, 1] = (index[0, 0] + 1) % total
+    zero = ShardTensor.wrap(torch.zeros(counts[me], F, dtype=torch.float64), spec)
+    try:
+        out = to_local(zero.scatter_add(0, index, src))
+    except NotImplementedError as exc:
+        return f"NotImplementedError: {exc}"
+    return ids, src, out
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_sharded_scatter_index_along_features(nranks):
+    counts = COUNTS[nranks]
+    res = run_on_world(_rank_scatter_index, nranks, "constant")
+    full = torch.zeros(sum(counts), F, dtype=torch.float64)
+    for ids, src, _ in res:
+        full.index_add_(0, ids, src)
+    for q, (_, _, out) in enumerate(res):
+        off = sum(counts[:q])
+        assert_parity(
+            out, full[off : off + counts[q]], what=f"scatter_add 2-D index rank {q}", grid=str(nranks)
+        )
+    for msg in run_on_world(_rank_scatter_index, nranks, "varying"):
+        assert isinstance(msg, str) and "constant along the feature dims" in msg and "rank(s) [0]" in msg, msg
+
+
 # ---------------------------------------------------------------------- unhandled ops, registry
 def _rank_unhandled(op):
     sh = _sharded()

@@ -485,22 +485,36 @@ def _global_ids(x: ShardTensor, ids: torch.Tensor, me: int) -> torch.Tensor:
     return ids if to_global is None else to_global(ids, me)
 
 
-def _route(ids: torch.Tensor, offsets: list[int], x: ShardTensor, nranks: int) -> tuple[Any, list, list]:
+_OUT_OF_RANGE, _NOT_CONSTANT = -1, -2  # counts a failing rank sends instead of its own
+
+
+def _route(
+    ids: torch.Tensor, offsets: list[int], x: ShardTensor, nranks: int, not_constant: bool = False
+) -> tuple[Any, list, list]:
     """Owner of each global id and the agreed send/receive counts (one all-to-all of counts).
-    Ids out of range raise on EVERY rank: the rank that holds them sends -1 counts in the same
-    all-to-all, so no rank is left waiting in the next one."""
+    A bad index raises on EVERY rank: the rank that holds it sends negative counts in the same
+    all-to-all (-1: ids out of range; -2: ``not_constant``, a scatter index expanded along the
+    feature dims that is not constant along them), so no rank is left waiting in the next one."""
     total = offsets[-1]
     dev = x._local.device
-    bad = ids[(ids < 0) | (ids >= total)][:5].tolist() if ids.numel() else []
-    if bad:
-        owner, send = None, torch.full((nranks,), -1, dtype=torch.int64, device=dev)
+    bad = [] if not_constant or not ids.numel() else ids[(ids < 0) | (ids >= total)][:5].tolist()
+    if bad or not_constant:
+        code = _NOT_CONSTANT if not_constant else _OUT_OF_RANGE
+        owner, send = None, torch.full((nranks,), code, dtype=torch.int64, device=dev)
     else:
         bounds = torch.tensor(offsets[1:], dtype=ids.dtype, device=ids.device)
         owner = torch.searchsorted(bounds, ids, right=True)
         send = torch.bincount(owner, minlength=nranks).to(torch.int64).to(dev)
     recv = prim.all_to_all(send, [1] * nranks, [1] * nranks, x.group, op="sharded_storage")
-    if bad or bool((recv < 0).any()):
-        who = sorted(set(torch.nonzero(recv < 0).flatten().tolist()))
+    if bad or not_constant or bool((recv < 0).any()):
+        varying = sorted(set(torch.nonzero(recv == _NOT_CONSTANT).flatten().tolist()))
+        if varying:
+            raise NotImplementedError(
+                f"sharded scatter_add: the index must be constant along the feature dims (an index "
+                f"expanded from a 1-D one), not on rank(s) {varying}: scatter with index_add_ and the "
+                "1-D index, or expand a 1-D index"
+            )
+        who = sorted(set(torch.nonzero(recv == _OUT_OF_RANGE).flatten().tolist()))
         mine = f"; here: {bad}" if bad else ""
         raise IndexError(
             f"sharded storage: global row ids out of range [0, {total}) (PAD is {PAD}) on rank(s) {who}{mine}"
@@ -614,17 +628,17 @@ def _run_sharded_scatter(func: Any, args: tuple, kwargs: dict) -> Any:
     dev = x._local.device
 
     def route() -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
-        index = given
+        index, varying = given, False
         if index.dim() > 1:  # scatter_add with an index expanded along the feature dims
-            if not bool((index == index[(slice(None),) + (slice(0, 1),) * (index.dim() - 1)]).all()):
-                raise NotImplementedError(
-                    "sharded scatter_add: the index must be constant along the feature dims"
-                )
+            # an expand()ed index (stride 0 along them) is constant by construction
+            if any(st != 0 for st in index.stride()[1:]):
+                first = index[(slice(None),) + (slice(0, 1),) * (index.dim() - 1)]
+                varying = not bool((index == first).all())
             index = index.reshape(index.shape[0], -1)[:, 0]
         index = index.to(torch.int64)
         keep = torch.nonzero(index != PAD).flatten()
         ids = _global_ids(x, index[keep], me)
-        owner, s, r = _route(ids, offsets, x, nranks)
+        owner, s, r = _route(ids, offsets, x, nranks, not_constant=varying)  # raises on every rank
         order = torch.sort(owner, stable=True).indices
         ids_in = prim.all_to_all(ids[order].to(dev), s, r, x.group, op="sharded_scatter")
         return keep[order], s, r, ids_in - offsets[me]
