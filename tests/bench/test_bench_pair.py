@@ -64,10 +64,17 @@ def test_bench_pair_memory_and_comm_targets(op, grid, tokens, capsys):
         assert res[k] < 1e-11, (k, res[k])
     per_rank = res["serial_saved_bytes"] / P
     assert max(res["saved_bytes_per_rank"]) <= 1.25 * per_rank, res["saved_bytes_per_rank"]
-    # peak tensor memory: 1.3 x serial / P on every grid; the 2x2 triangle multiplication may not
-    # exceed the 1.17 it had before the batched-matmul kernels (measured 1.15)
-    limit = 1.17 if (op.startswith("trimul") and grid == "2x2") else 1.3
-    assert res["peak_ratio_vs_serial_over_p"] <= limit, (res["peak_ratio_vs_serial_over_p"], limit)
+    # the activations saved for backward (parameters left out: every rank holds them whole) are
+    # one tile's share of serial's, times what padding adds: nothing replicated, no extra copy
+    pad = res["pair_padding_factor"]
+    act = res["saved_activation_ratio_vs_serial_over_p"]
+    assert act <= 1.01 * pad, f"saved activations {act:.3f} x serial / P, padding alone {pad:.3f}"
+    # peak tensor memory: 1.3 x serial / P on every grid; the triangle multiplication within 10%
+    # of one tile's share times the padding (measured 1.00-1.07 x; 1.15 before its backward got
+    # dZ channel-first and freed the channel-last copy, and before sync_params stopped copying)
+    limit = 1.10 * pad if op.startswith("trimul") else 1.3
+    peak = res["peak_ratio_vs_serial_over_p"]
+    assert peak <= limit, f"peak tensor memory {peak:.3f} x serial / P, above {limit:.3f}"
     assert all(b > 0 for b in res["comm_bytes_per_rank"])  # sharding active: tiles moved
     if op.startswith("trimul"):
         assert max(res["comm_bytes_per_rank"]) <= 1.25 * res["comm_lower_bound_bytes"]

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from twinshard import comm
 from twinshard.testing import run_on_grid, run_on_world
-from twinshard.testing.checks import adjoint_pair
+from twinshard.testing.checks import adjoint_pair, assert_parity
 
 
 def _rand(*shape, seed, dtype=torch.float64):
@@ -155,3 +155,40 @@ def test_low_precision_reductions_accumulate_in_fp32(dtype):
         torch.testing.assert_close(y, ref, **({"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {}))
         torch.testing.assert_close(g, gref, **({"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {}))
         assert sent == 2 * 2 * 64 * 4 // 3  # travels as fp32
+
+
+def _sync_params(n_unused=None):
+    r, n = dist.get_rank(), dist.get_world_size()
+    # two dtypes (two buckets), uneven shapes, one parameter the computation never uses
+    params = [
+        _rand(3, 2, seed=900).requires_grad_(True),
+        _rand(4, seed=901, dtype=torch.float32).requires_grad_(True),
+        _rand(5, seed=902).requires_grad_(True),
+        _rand(2, seed=903).requires_grad_(True),  # unused: its gradient is zero, still summed
+    ]
+    with comm.CommLedger() as led:
+        used = comm.sync_params(params)
+        shared = [
+            u.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for u, p in zip(used, params)
+        ]
+        dys = [_rand(*u.shape, seed=10 * r + i, dtype=u.dtype) for i, u in enumerate(used[:3])]
+        loss = sum((dy * u).sum() for dy, u in zip(dys, used[:3]))  # each rank's partial gradient
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    alld = []
+    for dy in dys:  # the complete gradient: every rank's partial summed
+        parts = [torch.empty_like(dy) for _ in range(n)]
+        dist.all_gather(parts, dy)
+        alld.append(torch.stack(parts).sum(0))
+    calls = led.ops["sync_grad:backward"].calls if "sync_grad:backward" in led.ops else 0
+    return shared, grads, alld, calls
+
+
+@pytest.mark.grids((1,), (2,), (3,))
+def test_sync_params_sums_gradients_per_dtype_without_copying(grid):
+    (n,) = grid
+    for shared, grads, alld, calls in run_on_world(_sync_params, n):
+        assert all(shared), "sync_params must hand out views of the parameters, not a copy"
+        for i, (g, ref) in enumerate(zip(grads[:3], alld)):
+            assert_parity(g, ref, what=f"sync_params gradient of parameter {i}", grid=str(n), reduction=n)
+        assert grads[3] is None or torch.count_nonzero(grads[3]) == 0
+        assert calls == (0 if n == 1 else 2), f"one all-reduce per dtype bucket expected, got {calls}"

@@ -10,6 +10,9 @@ Measurements (per rank, forward + backward of one call):
 - ``saved_bytes``: bytes of the distinct storages packed by
   ``torch.autograd.graph.saved_tensors_hooks`` during the forward (parameters and
   their synced copies included, the same rule for serial and CP);
+  ``saved_activation_ratio_vs_serial_over_p``: the same ratio with the parameters' storages
+  left out on both sides (every rank holds the parameters whole whether autograd saves them
+  or not: a fixed per-rank amount that the ratio above counts P times over serial);
 - ``peak_memory_bytes``: on CUDA, ``max_memory_allocated`` above the starting level;
   on CPU, the peak of the running sum of allocator events recorded by the profiler
   (it raises rather than report 0 when the profiler cannot measure);
@@ -115,9 +118,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def measure(
-    forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None], device: torch.device
+    forward: Callable[[], torch.Tensor],
+    backward: Callable[[torch.Tensor], None],
+    device: torch.device,
+    params: Any = (),
 ) -> dict[str, Any]:
-    """Saved-for-backward bytes, peak bytes and wall time of ``backward(forward())``."""
+    """Saved-for-backward bytes (all, and without the storages of ``params``), peak bytes and
+    wall time of ``backward(forward())``."""
     saved = SavedBytes()
 
     def step() -> None:
@@ -130,6 +137,7 @@ def measure(
         _, peak = peak_memory_during(step, device)
     return {
         "saved_bytes": saved.bytes,
+        "saved_activation_bytes": saved.bytes_without(params),
         "peak_bytes": peak,
         "rss_peak_bytes": rss.peak_bytes,
         "rss_reset": rss.reset,
@@ -274,7 +282,7 @@ def bench_rank(
         held.append(serial(xs, mask))
         return held[-1]
 
-    ser = measure(ser_fwd, lambda o: o.backward(gout), device)
+    ser = measure(ser_fwd, lambda o: o.backward(gout), device, list(serial.parameters()))
     out_serial = held.pop().detach()
 
     # CP: the padded inputs' tiles; padding is masked out and its grad_output is zero
@@ -293,7 +301,7 @@ def bench_rank(
         with bwd_ledger:
             o.to_local().backward(gl)
 
-    cpm = measure(cp_fwd, cp_bwd, device)
+    cpm = measure(cp_fwd, cp_bwd, device, list(cp.parameters()))
     out_cp = held.pop().full_tensor()[:, :tokens, :tokens]
     gin_cp = from_local(xl.grad, grid, place).full_tensor()[
         :, : (sequences if op == "opm" else tokens), :tokens
@@ -351,9 +359,11 @@ def rank_figures(
         "err_in": err_in,
         "err_par": err_par,
         "saved": cpm["saved_bytes"],
+        "saved_activations": cpm.get("saved_activation_bytes"),
         "peak": cpm["peak_bytes"],
         "seconds": cpm["seconds"],
         "serial_saved": ser["saved_bytes"],
+        "serial_saved_activations": ser.get("saved_activation_bytes"),
         "serial_peak": ser["peak_bytes"],
         "rss_peak": cpm["rss_peak_bytes"],
         "rss_reset": cpm["rss_reset"],
@@ -401,6 +411,13 @@ def _summarise(
         "saved_bytes_per_rank": saved,
         "serial_saved_bytes": r0["serial_saved"],
         "saved_ratio_vs_serial_over_p": max(saved) / (r0["serial_saved"] / P),
+        # the same without the parameters: every rank holds them whole whether autograd saves
+        # them or not, so at small N they make the ratio above a count of replicas, not of tiles
+        "saved_activation_ratio_vs_serial_over_p": (
+            max(r["saved_activations"] for r in ranks) / (r0["serial_saved_activations"] / P)
+            if r0.get("serial_saved_activations")
+            else None
+        ),
         "peak_memory_bytes_per_rank": [r["peak"] for r in ranks],
         "serial_peak_memory_bytes": r0["serial_peak"],
         "peak_rss_bytes_per_rank": [r["rss_peak"] for r in ranks],

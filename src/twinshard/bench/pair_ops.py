@@ -144,7 +144,12 @@ def bench_rank_op(
         held.append(_call(op, serial, leaves))
         return held[-1]
 
-    ser = measure(ser_fwd, lambda o: torch.autograd.backward(list(o), [full[g] for g in gnames]), device)
+    ser = measure(
+        ser_fwd,
+        lambda o: torch.autograd.backward(list(o), [full[g] for g in gnames]),
+        device,
+        list(serial.parameters()),
+    )
     out_serial = [o.detach() for o in held.pop()]
 
     # CP: the padded inputs' tiles, with the layout attached (padding masked from it)
@@ -175,7 +180,7 @@ def bench_rank_op(
         with bwd_ledger:
             torch.autograd.backward([t.to_local() for t in o], [local[g] for g in gnames])
 
-    cpm = measure(cp_fwd, cp_bwd, device)
+    cpm = measure(cp_fwd, cp_bwd, device, list(cp.parameters()))
     outs = held.pop()
 
     def gather(t: torch.Tensor, kind: str) -> torch.Tensor:

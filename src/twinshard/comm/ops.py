@@ -210,15 +210,33 @@ def sync_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     return _SyncGrad.apply(x, group)
 
 
+class _SyncParams(torch.autograd.Function):
+    """Views of one dtype bucket of parameters; backward: their gradients flattened into one
+    buffer, all-reduced once (the forward copies nothing: a flat copy of the parameters per
+    call was saved for backward by every layer that used it, one replica per rank)."""
+
+    @staticmethod
+    def forward(ctx, group: Group, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        flat = torch.cat([g.reshape(-1) for g in grads])  # unused parameters: zeros (materialised)
+        flat = P.all_reduce(flat, ctx.group, op="sync_grad:backward")
+        return (None, *(p.view_as(g) for p, g in zip(flat.split([g.numel() for g in grads]), grads)))
+
+
 def sync_params(params: Sequence[torch.Tensor], group: Group = None) -> list[torch.Tensor]:
     """Replicated parameters as sharded compute uses them: the one replicated-gradient utility.
 
-    Forward: the same values (views of one flat copy per dtype). Backward: each rank's partial
+    Forward: the same values (views of the parameters, no copy). Backward: each rank's partial
     gradients are summed over ``group``, so ``param.grad`` comes back complete and identical on
-    every rank, with no step after backward. Parameters are bucketed by dtype into one flat
-    vector each (buckets in a fixed order on every rank), so a backward issues one all-reduce per
-    dtype (``sync_grad``), not one per parameter. Placements: in and out replicated. Memory: one
-    flat copy of the parameters (per call). On a group of one rank: the parameters unchanged.
+    every rank, with no step after backward. Parameters are bucketed by dtype (buckets in a fixed
+    order on every rank) and each bucket's gradients are flattened into one vector, so a backward
+    issues one all-reduce per dtype (``sync_grad:backward``), not one per parameter. Placements:
+    in and out replicated. Memory: nothing in forward; one flat gradient buffer per dtype, in
+    backward only. On a group of one rank: the parameters unchanged.
     """
     params = list(params)
     if P.group_size(group) == 1 or not params:
@@ -228,9 +246,9 @@ def sync_params(params: Sequence[torch.Tensor], group: Group = None) -> list[tor
     for i, p in enumerate(params):
         buckets.setdefault(p.dtype, []).append(i)
     for _, idx in sorted(buckets.items(), key=lambda kv: str(kv[0])):  # same order on all ranks
-        flat = sync_grad(torch.cat([params[i].reshape(-1) for i in idx]), group)
-        for i, piece in zip(idx, flat.split([params[i].numel() for i in idx])):
-            out[i] = piece.view_as(params[i])
+        views = _SyncParams.apply(group, *(params[i] for i in idx))
+        for i, v in zip(idx, views if isinstance(views, tuple) else (views,)):
+            out[i] = v
     return out  # type: ignore[return-value]
 
 

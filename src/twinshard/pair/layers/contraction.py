@@ -31,7 +31,10 @@ skewed tile of each operand (a view when it is this rank's own) plus, with the c
 ``bmm`` kernel, one channel chunk in flight (``RING_CHUNKS``: the received chunk is copied
 over the one just used), else one whole tile in flight; SUMMA holds one segment's pieces in
 use, the next in flight and the copies it sends, each at most ``SEGMENT_BUDGET`` of the
-output tile. Nothing of size N^2 (or N^2 / R) is ever held. The backward of ``Z = X' Y'``
+output tile. Nothing of size N^2 (or N^2 / R) is ever held. With the channel-first ``bmm``
+kernel the result is the accumulator itself seen channel-last (a view, not a copy), and the
+backward receives ``dZ`` channel-first (the view's adjoint makes the one copy, and autograd frees
+the channel-last ``dZ`` before the contraction's backward runs). The backward of ``Z = X' Y'``
 is two more contractions on the same grid with the same schedules (``dX' = dZ Y'^T``,
 ``dY' = X'^T dZ``), each written back in the stored orientation of X and Y. When ``dZ``
 has many more channels than X and Y (the outer product mean), the backward instead
@@ -330,9 +333,10 @@ def _new_acc(
     kernel: str, equation: str, xo: torch.Tensor, yo: torch.Tensor, m: int, n: int, ct: torch.dtype
 ) -> torch.Tensor:
     """A zero output tile for ``m`` x ``n`` tokens in ``kernel``'s layout (shape taken from one
-    block product's: ``_product`` on one k-column of the operands)."""
-    one = _product(kernel, equation, xo[:, :, :1], yo[:, :1], None, ct)
-    rs, cs = one.shape[1] // xo.shape[1], one.shape[2] // yo.shape[2]
+    block product's: ``_product`` on one token of each operand, so that nothing tile-sized is
+    made besides the tile: this runs at the backward's memory peak)."""
+    one = _product(kernel, equation, xo[:, :1, :1], yo[:, :1, :1], None, ct)
+    rs, cs = one.shape[1], one.shape[2]  # acc entries per token
     return one.new_zeros((one.shape[0], m * rs, n * cs) + tuple(one.shape[3:]))
 
 
@@ -350,8 +354,8 @@ class Contraction:
     this moves operand-sized tiles only. Only for ``tx=True, ty=False``.
     ``kernel``: how the block products run (the einsums stay the specification):
     ``"bmm"`` for a per-channel product (``bmkd,bknd->bmnd``): the operands are laid out
-    channel-first once per call (``[B*d, rows, cols]``, contiguous) and every ring step is one
-    batched matmul accumulated in place; ``"outer"`` for the outer product in the channels
+    channel-first once per call (``[B*d, rows, cols]``, contiguous), every ring step is one
+    batched matmul accumulated in place, and the result is returned as a channel-last view; ``"outer"`` for the outer product in the channels
     (``bmkc,bknd->bmncd``, with ``stationary_grad``): ``[B, (m c), k] @ [B, k, (n d)]`` on
     views of the stored tiles; ``"einsum"``: the equations as written.
     """
@@ -375,12 +379,27 @@ def _channel_first(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _channel_last(t: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B*d, r, c]`` -> contiguous ``[B, r, c, d]`` in ``dtype`` (one fused copy and cast)."""
+    """``[B*d, r, c]`` -> ``[B, r, c, d]`` in ``dtype``: a view of ``t`` (a copy only to cast).
+
+    Channel-last by strides, not by a copy: a copy is one more tile-sized transient.
+    Consumers take any strides (token-local ops copy if they must)."""
     bd, r, c = t.shape
-    d = bd // batch
-    out = torch.empty((batch, r, c, d), dtype=dtype, device=t.device)
-    out.copy_(t.view(batch, d, r, c).permute(0, 2, 3, 1))
-    return out
+    return t.to(dtype).view(batch, bd // batch, r, c).permute(0, 2, 3, 1)
+
+
+class _ChannelLast(torch.autograd.Function):
+    """The contraction's channel-first result as a channel-last view; the adjoint makes the
+    incoming channel-last gradient channel-first and contiguous, so autograd frees the
+    channel-last one before the contraction's backward runs (a plain view's adjoint would hand
+    it a strided view that keeps it alive, then copy it: one tile more at the peak)."""
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor, batch: int) -> torch.Tensor:
+        return _channel_last(z, batch, z.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        return _channel_first(g, g.dtype), None
 
 
 class _GridContract(torch.autograd.Function):
@@ -416,8 +435,8 @@ class _GridContract(torch.autograd.Function):
             spec.kernel,
             ct,
         )
-        if spec.kernel == "bmm":
-            return _channel_last(z, x.shape[0], out_dtype)
+        if spec.kernel == "bmm":  # channel-first: grid_contract returns it as a channel-last view
+            return z.to(out_dtype)
         if spec.kernel == "outer":  # [B, m*c, n*d] -> [B, m, n, c, d]
             b, c, d = x.shape[0], x.shape[3], y.shape[3]
             m, n = z.shape[1] // c, z.shape[2] // d  # output tile: tokens over rows x cols
@@ -462,8 +481,8 @@ class _GridContract(torch.autograd.Function):
                 g = g.to(ctx.in_dtypes[idx])
                 gx, gy = (g, gy) if idx == 0 else (gx, g)
             return (gx, gy, *none)
-        if spec.kernel == "bmm":
-            gz = _channel_first(gz, gz.dtype)  # in its own dtype: the wire dtype when narrower
+        # bmm: gz arrives channel-first and contiguous (_ChannelLast's adjoint), in its own dtype
+        # (the wire dtype when narrower)
         Z = Tiled(gz.contiguous(), mz, nz)
 
         def back(t: torch.Tensor, idx: int) -> torch.Tensor:
@@ -523,6 +542,9 @@ def grid_contract(
         raise ValueError("the 'outer' kernel runs its backward with stationary_grad=True only")
     ct = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
     wire = x.dtype if wire_dtype is None else wire_dtype
-    return _GridContract.apply(
+    z = _GridContract.apply(
         x, y, grid, spec, tuple(xshape), tuple(yshape), wire, ct if out_dtype is None else out_dtype
     )
+    if spec.kernel == "bmm":
+        return _ChannelLast.apply(z, x.shape[0])
+    return z

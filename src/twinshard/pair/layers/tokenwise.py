@@ -63,9 +63,10 @@ def grad_group(mesh: DeviceMesh, placements: Sequence[Placement]) -> dist.Proces
 def replicated_params(params: Sequence[torch.Tensor], like: DTensor) -> list[torch.Tensor]:
     """``params`` as used on tiles of ``like``: identity forward; backward sums their gradients.
 
-    ``comm.sync_params`` over the sharded mesh axes: parameters bucketed by dtype into
-    one flat vector each, so a layer's backward issues one all-reduce per dtype instead
-    of one per parameter. Nothing is communicated when ``like`` is not sharded.
+    ``comm.sync_params`` over the sharded mesh axes: views of the parameters (no copy); their
+    gradients bucketed by dtype into one flat vector each, so a layer's backward issues one
+    all-reduce per dtype instead of one per parameter. Nothing is communicated when ``like``
+    is not sharded.
     """
     group = grad_group(like.device_mesh, like.placements)
     if group is False or not params:
