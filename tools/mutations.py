@@ -80,8 +80,8 @@ MUTATIONS: list[Mutation] = [
         "contraction_grad_channel_last_kept",
         "memory regression",
         "pair/layers/contraction.py",
-        "return _ChannelLast.apply(z, x.shape[0])",
-        "return _channel_last(z, x.shape[0], z.dtype)",
+        "return _TileLayout.apply(z, spec.kernel, x.shape[0], x.shape[-1], y.shape[-1])",
+        "return _channel_last(z, x.shape[0], z.dtype) if spec.kernel == 'bmm' else z",
         ("tests/bench/test_bench_pair.py",),
     ),
     M(

@@ -34,7 +34,8 @@ use, the next in flight and the copies it sends, each at most ``SEGMENT_BUDGET``
 output tile. Nothing of size N^2 (or N^2 / R) is ever held. With the channel-first ``bmm``
 kernel the result is the accumulator itself seen channel-last (a view, not a copy), and the
 backward receives ``dZ`` channel-first (the view's adjoint makes the one copy, and autograd frees
-the channel-last ``dZ`` before the contraction's backward runs). The backward of ``Z = X' Y'``
+the channel-last ``dZ`` before the contraction's backward runs); with ``outer`` the backward
+likewise receives ``dZ`` as its ``[B, (m c), (n d)]`` matrix (``_TileLayout``). The backward of ``Z = X' Y'``
 is two more contractions on the same grid with the same schedules (``dX' = dZ Y'^T``,
 ``dY' = X'^T dZ``), each written back in the stored orientation of X and Y. When ``dZ``
 has many more channels than X and Y (the outer product mean), the backward instead
@@ -387,19 +388,33 @@ def _channel_last(t: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tens
     return t.to(dtype).view(batch, bd // batch, r, c).permute(0, 2, 3, 1)
 
 
-class _ChannelLast(torch.autograd.Function):
-    """The contraction's channel-first result as a channel-last view; the adjoint makes the
-    incoming channel-last gradient channel-first and contiguous, so autograd frees the
-    channel-last one before the contraction's backward runs (a plain view's adjoint would hand
-    it a strided view that keeps it alive, then copy it: one tile more at the peak)."""
+class _TileLayout(torch.autograd.Function):
+    """The contraction's result in its kernel's layout as the output tile ``[B, m, n, ...]``.
+
+    ``"bmm"``: ``[B*d, m, n]`` seen channel-last (a view). ``"outer"``: ``[B, m*c, n*d]`` copied
+    to a contiguous ``[B, m, n, c, d]`` (the layer reshapes it to ``c*d`` channels). The adjoint
+    lays the incoming gradient out in the kernel's layout (contiguous), in a node of its own, so
+    autograd frees the tile-layout gradient before the contraction's backward runs (done inside
+    that backward, the conversion held both: one tile more at the backward's peak)."""
 
     @staticmethod
-    def forward(ctx: Any, z: torch.Tensor, batch: int) -> torch.Tensor:
-        return _channel_last(z, batch, z.dtype)
+    def forward(ctx: Any, z: torch.Tensor, kernel: str, batch: int, c: int, d: int) -> torch.Tensor:
+        ctx.kernel = kernel
+        if kernel == "bmm":
+            return _channel_last(z, batch, z.dtype)
+        m, n = z.shape[1] // c, z.shape[2] // d  # output tile: tokens over rows x cols
+        out = torch.empty((batch, m, n, c, d), dtype=z.dtype, device=z.device)
+        out.copy_(z.view(batch, m, c, n, d).permute(0, 1, 3, 2, 4))
+        return out
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
-        return _channel_first(g, g.dtype), None
+        if ctx.kernel == "bmm":
+            return _channel_first(g, g.dtype), None, None, None, None
+        b, m, n, c, d = g.shape  # dZ[B, I, J, c, d] as the matrix [B, (I c), (J d)]
+        dz = torch.empty((b, m, c, n, d), dtype=g.dtype, device=g.device)
+        dz.copy_(g.permute(0, 1, 3, 2, 4))
+        return dz.view(b, m * c, n * d), None, None, None, None
 
 
 class _GridContract(torch.autograd.Function):
@@ -435,15 +450,7 @@ class _GridContract(torch.autograd.Function):
             spec.kernel,
             ct,
         )
-        if spec.kernel == "bmm":  # channel-first: grid_contract returns it as a channel-last view
-            return z.to(out_dtype)
-        if spec.kernel == "outer":  # [B, m*c, n*d] -> [B, m, n, c, d]
-            b, c, d = x.shape[0], x.shape[3], y.shape[3]
-            m, n = z.shape[1] // c, z.shape[2] // d  # output tile: tokens over rows x cols
-            out = torch.empty((b, m, n, c, d), dtype=out_dtype, device=z.device)
-            out.copy_(z.view(b, m, c, n, d).permute(0, 1, 3, 2, 4))
-            return out
-        return z.to(out_dtype)
+        return z.to(out_dtype)  # bmm / outer: in the kernel's layout (grid_contract's _TileLayout)
 
     @staticmethod
     def backward(ctx: Any, gz: torch.Tensor):
@@ -459,13 +466,8 @@ class _GridContract(torch.autograd.Function):
         if spec.stationary_grad:
             if not (tx and not ty):
                 raise ValueError("stationary_grad is implemented for tx=True, ty=False only")
-            if spec.kernel == "outer":  # dZ[B, I, J, c, d] as the matrix [B, (I c), (J d)], once
-                b, i, j, c, d = gz.shape
-                dz = torch.empty((b, i, c, j, d), dtype=ct, device=gz.device)
-                dz.copy_(gz.permute(0, 1, 3, 2, 4))
-                dz = dz.view(b, i * c, j * d)
-            else:
-                dz = gz.contiguous()
+            # outer: dZ arrives as the matrix [B, (I c), (J d)] (_TileLayout's adjoint)
+            dz = gz.to(ct).contiguous()
             if grid.size == 1:
                 fn = None
             else:
@@ -481,7 +483,7 @@ class _GridContract(torch.autograd.Function):
                 g = g.to(ctx.in_dtypes[idx])
                 gx, gy = (g, gy) if idx == 0 else (gx, g)
             return (gx, gy, *none)
-        # bmm: gz arrives channel-first and contiguous (_ChannelLast's adjoint), in its own dtype
+        # bmm: gz arrives channel-first and contiguous (_TileLayout's adjoint), in its own dtype
         # (the wire dtype when narrower)
         Z = Tiled(gz.contiguous(), mz, nz)
 
@@ -545,6 +547,6 @@ def grid_contract(
     z = _GridContract.apply(
         x, y, grid, spec, tuple(xshape), tuple(yshape), wire, ct if out_dtype is None else out_dtype
     )
-    if spec.kernel == "bmm":
-        return _ChannelLast.apply(z, x.shape[0])
+    if spec.kernel in ("bmm", "outer"):
+        return _TileLayout.apply(z, spec.kernel, x.shape[0], x.shape[-1], y.shape[-1])
     return z
