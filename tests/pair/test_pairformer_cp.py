@@ -24,9 +24,11 @@ What each test proves:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from twinshard.pair.features import (
     PairLayout,
@@ -37,7 +39,7 @@ from twinshard.pair.features import (
     real_part,
     shard_tensor,
 )
-from twinshard.pair.layers.pairformer import CPPairformerLayer, CPPairformerStack
+from twinshard.pair.layers.pairformer import CPPairformerLayer, CPPairformerStack, agree_scalars
 from twinshard.pair.reference import PairformerLayer, PairformerStack, assign_dropout_streams
 from twinshard.tensors.memory import SavedBytes, peak_memory_during
 from twinshard.testing import (
@@ -51,6 +53,7 @@ from twinshard.testing import (
     random_grad_output,
     random_mask,
     run_on_grid,
+    run_on_world,
     serial_reference,
     synthetic,
 )
@@ -343,6 +346,25 @@ def test_control_scalars_must_agree():
     for r, msg in enumerate(out):
         assert msg is not None and "control-flow scalars differ across ranks" in msg, f"rank {r}: {msg}"
         assert "'num_blocks', 3" in msg or "num_blocks': 3" in msg, msg
+
+
+def _rank_scalars(case):
+    r = dist.get_rank()
+    values = {
+        "nan": {"p": float("nan"), "layers": 2},  # the same on every rank: agrees
+        "ulp": {"p": 0.25 if r == 0 else math.nextafter(0.25, 1.0), "layers": 2},
+    }[case]
+    try:
+        agree_scalars(values, "test")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_control_scalars_compare_exactly():
+    assert run_on_world(_rank_scalars, 2, "nan") == [None, None]
+    for msg in run_on_world(_rank_scalars, 2, "ulp"):
+        assert msg is not None and "control-flow scalars differ across ranks" in msg, msg
 
 
 # -- negative controls ---------------------------------------------------------------------------

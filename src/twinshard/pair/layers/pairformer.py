@@ -85,7 +85,9 @@ def agree_scalars(values: Mapping[str, Any], what: str, group: dist.ProcessGroup
     mine = sorted((str(k), v) for k, v in values.items())
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
-    if any(v != every[0] for v in every):
+    # by repr: exact for numbers (shortest round-trip), and a NaN on every rank agrees
+    # (NaN != NaN would report identical values as differing)
+    if any(repr(v) != repr(every[0]) for v in every):
         rows = "; ".join(f"rank {r}: {dict(v)}" for r, v in enumerate(every))
         raise ValueError(f"{what}: control-flow scalars differ across ranks ({rows})")
 
