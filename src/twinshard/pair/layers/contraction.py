@@ -33,11 +33,11 @@ over the one just used), else one whole tile in flight; SUMMA holds one segment'
 use, the next in flight and the copies it sends, each at most ``SEGMENT_BUDGET`` of the
 output tile. Nothing of size N^2 (or N^2 / R) is ever held. With the channel-first ``bmm``
 kernel the result is the accumulator itself seen channel-last (a view, not a copy), and the
-backward receives ``dZ`` channel-first (the view's adjoint makes the one copy, and autograd frees
-the channel-last ``dZ`` before the contraction's backward runs); with ``outer`` the backward
-likewise receives ``dZ`` as its ``[B, (m c), (n d)]`` matrix (``_TileLayout``). The backward of ``Z = X' Y'``
-is two more contractions on the same grid with the same schedules (``dX' = dZ Y'^T``,
-``dY' = X'^T dZ``), each written back in the stored orientation of X and Y. When ``dZ``
+backward receives ``dZ`` channel-first (the view's adjoint makes the one copy, and autograd
+frees the channel-last ``dZ`` before the contraction's backward runs); with ``outer`` the
+backward likewise receives ``dZ`` as its ``[B, (m c), (n d)]`` matrix (``_TileLayout``).
+The backward of ``Z = X' Y'`` is two more contractions on the same grid with the same
+schedules (``dX' = dZ Y'^T``, ``dY' = X'^T dZ``), each written back in the stored orientation of X and Y. When ``dZ``
 has many more channels than X and Y (the outer product mean), the backward instead
 keeps ``dZ`` in place and moves the operands and the partial gradients
 (``Contraction.stationary_grad``; ring shifts on square grids, per-row fetch and
@@ -356,8 +356,9 @@ class Contraction:
     ``kernel``: how the block products run (the einsums stay the specification):
     ``"bmm"`` for a per-channel product (``bmkd,bknd->bmnd``): the operands are laid out
     channel-first once per call (``[B*d, rows, cols]``, contiguous), every ring step is one
-    batched matmul accumulated in place, and the result is returned as a channel-last view; ``"outer"`` for the outer product in the channels
-    (``bmkc,bknd->bmncd``, with ``stationary_grad``): ``[B, (m c), k] @ [B, k, (n d)]`` on
+    batched matmul accumulated in place, and the result is returned as a channel-last view;
+    ``"outer"`` for the outer product in the channels (``bmkc,bknd->bmncd``, with
+    ``stationary_grad``): ``[B, (m c), k] @ [B, k, (n d)]`` on
     views of the stored tiles; ``"einsum"``: the equations as written.
     """
 
