@@ -157,7 +157,7 @@ def test_low_precision_reductions_accumulate_in_fp32(dtype):
         assert sent == 2 * 2 * 64 * 4 // 3  # travels as fp32
 
 
-def _sync_params(n_unused=None):
+def _sync_params():
     r, n = dist.get_rank(), dist.get_world_size()
     # two dtypes (two buckets), uneven shapes, one parameter the computation never uses
     params = [
