@@ -90,7 +90,7 @@ def test_bench_pair_float32_and_rectangular(capsys):
     res = bench_pair.run(
         _args("--op", "trimul-out", "--grid", "1x2", "--tokens", "7", "--dtype", "float32", "--json")
     )
-    assert res["schedule"] == "summa" and res["padded_tokens"] == 8
+    assert res["schedule"] == "summa" and res["padded_tokens"] == [7, 8]  # 1 row: N unpadded; 2 cols
     assert res["max_abs_error_out"] < 1e-5  # fp32 round-off over a 7-term contraction
 
 

@@ -56,7 +56,7 @@ def _rank_roundtrip(grid, n, s, src, with_masks):
     d = distribute(given, grid, src=src, kinds={"my_pair": "pair"})
     lay = d.layout
     back = collect(d)
-    out = {"keys": sorted(back), "added": lay.added, "n_padded": lay.n_padded, "s_padded": lay.s_padded}
+    out = {"keys": sorted(back), "added": lay.added, "padded": lay.padded, "s_padded": lay.s_padded}
     out["equal"] = {k: bool(torch.equal(back[k], f[k])) and back[k].dtype == f[k].dtype for k in f}
     # The masks, in full (padding included), and this rank's tiles of z.
     full = {k: local_block(lay.pad(f[k], lay.kinds[k]), grid, _PL[lay.kinds[k]]) for k in f}
@@ -65,7 +65,7 @@ def _rank_roundtrip(grid, n, s, src, with_masks):
     out["masks"] = {
         k: collect_tensor(
             d[k],
-            PairLayout(lay.grid_shape, lay.n_padded, lay.n_padded, lay.s_padded, lay.s_padded),
+            PairLayout(lay.grid_shape, max(lay.padded), lay.padded, lay.s_padded, lay.s_padded),
             lay.kinds[k],
         )
         for k in (TOKEN_MASK, PAIR_MASK, MSA_MASK)
@@ -84,20 +84,21 @@ def test_roundtrip_and_masks(shape, n, s, src):
     src_rank = None if src is None else shape[0] * shape[1] - 1
     results = run_on_grid(_rank_roundtrip, shape, n, s, src_rank, with_masks)
     f = _features(n, s, with_masks)
-    np_, sp = results[0]["n_padded"], results[0]["s_padded"]
-    assert np_ % shape[0] == 0 and np_ % shape[1] == 0 and np_ >= n and sp % shape[0] == 0
+    (nr, nc), sp = results[0]["padded"], results[0]["s_padded"]
+    assert (nr, nc) == tuple(-(-n // k) * k for k in shape) and sp % shape[0] == 0
     if shape != (1, 1):  # the tiles differ between ranks: sharding is active
         assert not torch.equal(results[0]["z_tile"], results[-1]["z_tile"])
-    tok = torch.zeros(2, np_, dtype=torch.float64)
+    tok = torch.zeros(2, max(nr, nc), dtype=torch.float64)
     tok[:, :n] = f[TOKEN_MASK] if with_masks else 1.0
     if with_masks:
-        pair = torch.zeros(2, np_, np_, dtype=torch.float64)
+        pair = torch.zeros(2, nr, nc, dtype=torch.float64)
         pair[:, :n, :n] = f[PAIR_MASK]
     else:
-        pair = tok[:, :, None] * tok[:, None, :]
+        pair = tok[:, :nr, None] * tok[:, None, :nc]
     seq = torch.zeros(sp, dtype=torch.float64)
     seq[:s] = 1
-    msa = seq[None, :, None] * tok[:, None, :]
+    msa = seq[None, :, None] * tok[:, None, :nc]
+    tok = tok[:, :nr]
     for res in results:
         assert res["keys"] == sorted(f), "collect returns exactly the caller's keys"
         assert all(res["equal"].values()), res["equal"]

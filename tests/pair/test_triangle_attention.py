@@ -277,8 +277,9 @@ def _rank_chunked(grid, b, n, budget):
 
 
 # (grid, N, budget in logits elements): one row per chunk on 2x2 (tile rows 4, 32 elements a row);
-# uneven chunks on 2x3 (6 rows in 4 + 2) and 3x3 (3 rows in 2 + 1, 18 elements a row).
-CHUNKED = [((2, 2), 7, 32), ((2, 3), 9, 128), ((3, 3), 7, 36)]
+# uneven chunks on 2x3 (N = 9 padded to 10 x 9: 5 rows in 3 + 2, 18 elements a row) and 3x3
+# (3 rows in 2 + 1, 18 elements a row).
+CHUNKED = [((2, 2), 7, 32), ((2, 3), 9, 54), ((3, 3), 7, 36)]
 
 
 @pytest.mark.parametrize("grid,n,budget", CHUNKED, ids=[grid_id(g) for g, _, _ in CHUNKED])
@@ -289,7 +290,7 @@ def test_query_rows_in_chunks_match_serial(grid, n, budget):
     for node in NODES:
         for mode in ("mask", "none"):
             _check(grid, node, mode, 1, n, [r[0] for r in ranks])
-    rows = PairLayout.for_sizes(n, grid).n_padded // grid[0]
+    rows = PairLayout.for_sizes(n, grid).padded[0] // grid[0]
     for r, (_, used) in enumerate(ranks):
         assert used, f"rank {r}: the ring never chose its row chunks"
         for chunks in used:

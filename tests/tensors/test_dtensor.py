@@ -28,12 +28,23 @@ from twinshard.testing import grid_id, run_on_grid
 
 @pytest.mark.parametrize(
     "n,shape,want",
-    [(7, (1, 1), 7), (13, (2, 2), 14), (7, (3, 3), 9), (7, (2, 3), 12), (6, (2, 3), 6), (5, (1, 2), 6)],
+    [
+        (7, (1, 1), (7, 7)),
+        (13, (2, 2), (14, 14)),
+        (7, (3, 3), (9, 9)),
+        (7, (2, 3), (8, 9)),
+        (25, (2, 3), (26, 27)),
+        (6, (2, 3), (6, 6)),
+        (5, (1, 2), (5, 6)),
+    ],
 )
-def test_padded_tokens_is_multiple_of_lcm(n, shape, want):
-    np_ = padded_tokens(n, shape)
-    assert np_ == want
-    assert np_ % shape[0] == 0 and np_ % shape[1] == 0 and np_ - n < shape[0] * shape[1]
+def test_padded_tokens_per_grid_axis(n, shape, want):
+    """N is padded to a multiple of rows along grid rows and of cols along grid columns (not to
+    a multiple of lcm(rows, cols) on both): the least a 2-D block tiling can hold."""
+    got = padded_tokens(n, shape)
+    assert got == want
+    for size, parts in zip(got, shape):
+        assert size % parts == 0 and 0 <= size - n < parts
 
 
 def test_padding_helpers():
@@ -64,7 +75,7 @@ def _rank_tiles(grid):
     """Tiles, offsets and DTensor metadata of a pair, single and MSA tensor on this rank."""
     r, c = grid.coords
     R, C = grid.shape
-    n = padded_tokens(7, grid)
+    n = pad_multiple(7, R * C)  # square and divisible on both axes
     z = torch.arange(2 * n * n * 3, dtype=torch.float64).view(2, n, n, 3)
     s = torch.arange(2 * n * 4, dtype=torch.float64).view(2, n, 4)
     m = torch.arange(1 * 2 * R * n * 2, dtype=torch.float64).view(1, 2 * R, n, 2)

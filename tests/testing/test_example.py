@@ -14,8 +14,8 @@ def _rank_tile_shape(grid, n):
 @pytest.mark.parametrize("shape,n", [((2, 3), 13), ((3, 3), 7), ((2, 2), 13)], ids=["2x3", "3x3", "2x2"])
 def test_example_pads_to_equal_tiles_and_matches_serial(shape, n):
     tiles = run_on_grid(_rank_tile_shape, shape, n)
-    np_ = padded_tokens(n, shape)
-    assert set(tiles) == {(np_ // shape[0], np_ // shape[1], 4)}  # one tile shape on every rank
+    nr, nc = padded_tokens(n, shape)
+    assert set(tiles) == {(nr // shape[0], nc // shape[1], 4)}  # one tile shape on every rank
     ranks = run_on_grid(run_example_twin, shape, n=n)
     evs = check_twin(what=f"pair MLP N={n}", grid=grid_id(shape), ranks=ranks, **serial_example(n=n))
     assert "sharded" in evs[0].checks and ranks[0].out.shape == (n, n, 4)  # padding cut back

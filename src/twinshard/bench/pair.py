@@ -35,8 +35,9 @@ Measurements (per rank, forward + backward of one call):
   a square matmul in the bench dtype measured in one process with ``--threads`` threads on
   this machine (``*_fraction_of_matmul``: each figure as a fraction of that limit).
 
-``pair_padding_factor``: ``(Np / N)^2``, what padding N up to a multiple of lcm(rows, cols)
-adds to every pair-sized tensor (a floor under the memory ratios: 1.44 for N=25 on 2x3).
+``pair_padding_factor``: ``Nr Nc / N^2``, what padding N up to a multiple of rows (and of
+cols) adds to every pair-sized tensor (a floor under the memory ratios: 1.12 for N=25 on 2x3,
+26 x 27 entries; no 2-D block tiling holds less per rank).
 
 ``--grid 1x1,2x2,2x3`` runs several grids (the last line is then ``{"runs": [...]}``);
 ``--plot FILE.png`` draws time and peak memory per rank against the number of ranks beside
@@ -249,15 +250,8 @@ def bench_rank(
     rate on rank 0 with ``threads`` threads while the others wait)."""
     if op in TRUNK_OPS:  # triangle attention, attention with pair bias, the Pairformer layer
         return bench_rank_op(op, tokens, grid_shape, dtype_name, channels, hidden, sequences, batch, seed)
-    from twinshard.tensors.dtensor import (
-        MSA,
-        PAIR,
-        from_local,
-        local_block,
-        pad_dim,
-        padded_sequences,
-        padded_tokens,
-    )
+    from twinshard.pair.features import PairLayout, with_layout
+    from twinshard.tensors.dtensor import MSA, PAIR, from_local, local_block
 
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -267,12 +261,9 @@ def bench_rank(
     serial, cp = _build(op, channels, hidden, dtype, seed)
     serial, cp = serial.to(device), cp.to(device)
     x, mask, gout = (t.to(device) for t in _inputs(op, batch, tokens, sequences, channels, dtype, seed))
-    npad = padded_tokens(tokens, grid)
-    spad = padded_sequences(sequences, grid) if op == "opm" else npad
+    kind = "msa" if op == "opm" else "pair"
+    layout = PairLayout.for_sizes(tokens, grid, sequences if op == "opm" else None)
     place = MSA if op == "opm" else PAIR
-
-    def pad(t: torch.Tensor, d1: int) -> torch.Tensor:
-        return pad_dim(pad_dim(t, 1, d1), 2, npad)
 
     # serial
     xs = x.clone().requires_grad_(True)
@@ -286,10 +277,11 @@ def bench_rank(
     out_serial = held.pop().detach()
 
     # CP: the padded inputs' tiles; padding is masked out and its grad_output is zero
-    xl = local_block(pad(x, spad), grid, place).requires_grad_(True)
-    ml = local_block(pad(mask, spad), grid, place)
-    gl = local_block(pad(gout, npad), grid, PAIR)
-    xd, md = from_local(xl, grid, place), from_local(ml, grid, place)
+    xl = local_block(layout.pad(x, kind), grid, place).requires_grad_(True)
+    ml = local_block(layout.pad(mask, kind), grid, place)
+    gl = local_block(layout.pad(gout, "pair"), grid, PAIR)
+    # the layout rides on the mask (no graph to rebuild per step; x's tiles are zero-padded)
+    xd, md = from_local(xl, grid, place), with_layout(from_local(ml, grid, place), layout, kind)
     fwd_ledger, bwd_ledger = CommLedger(), CommLedger()
 
     def cp_fwd() -> torch.Tensor:
@@ -338,7 +330,7 @@ def bench_rank(
                 torch.set_num_threads(saved_threads)
             timing["matmul_gflops"] = matmul_gflops(dtype, threads)
         sync()
-    return {**timing, **rank_figures(err_out, err_in, err_par, cpm, ser, f, b_, npad)}
+    return {**timing, **rank_figures(err_out, err_in, err_par, cpm, ser, f, b_, layout.padded)}
 
 
 def rank_figures(
@@ -349,7 +341,7 @@ def rank_figures(
     ser: dict[str, Any],
     f: dict[str, Any],
     b_: dict[str, Any],
-    npad: int,
+    npad: tuple[int, int],
 ) -> dict[str, Any]:
     """One rank's figures for every ``bench pair`` op: parity errors, memory (tensor and resident
     peaks, saved bytes) and time from ``measure`` of the twin (``cpm``) and the serial module
@@ -376,7 +368,7 @@ def rank_figures(
         "comm_bwd": max(b_["bytes_sent"], b_["bytes_recv"]),
         "ledger_forward": f,
         "ledger_backward": b_,
-        "padded_tokens": npad,
+        "padded_tokens": list(npad),
     }
 
 
@@ -441,7 +433,8 @@ def _summarise(
     )
     # what padding alone adds to every pair-sized tensor ((Np / N)^2; Np a multiple of
     # lcm(rows, cols)): a floor under both ratios above that no schedule can remove
-    out["pair_padding_factor"] = (r0["padded_tokens"] / tokens) ** 2
+    nr, nc = r0["padded_tokens"]
+    out["pair_padding_factor"] = nr * nc / tokens**2
     out["comm_backward_ratio_vs_lower_bound"] = max(r["comm_bwd"] for r in ranks) / lower if P > 1 else 0.0
     runs = [max(r["seconds_runs"][i] for r in ranks) for i in range(len(r0["seconds_runs"]))]
     flops = model_flops(op, a.batch, tokens, a.sequences if op == "opm" else tokens, a.channels, a.hidden)

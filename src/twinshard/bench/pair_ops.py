@@ -126,7 +126,7 @@ def bench_rank_op(
     from twinshard.comm import CommLedger
     from twinshard.pair.features import PairLayout, with_layout
     from twinshard.runtime import get_world, make_grid
-    from twinshard.tensors.dtensor import PAIR, SINGLE, from_local, local_block, pad_dim, padded_tokens
+    from twinshard.tensors.dtensor import PAIR, SINGLE, from_local, local_block
 
     dtype = getattr(torch, dtype_name)
     grid = make_grid(tuple(grid_shape))
@@ -153,13 +153,10 @@ def bench_rank_op(
     out_serial = [o.detach() for o in held.pop()]
 
     # CP: the padded inputs' tiles, with the layout attached (padding masked from it)
-    npad = padded_tokens(tokens, grid)
     layout = PairLayout.for_sizes(tokens, grid)
 
     def tile(v: torch.Tensor, kind: str) -> torch.Tensor:
-        v = pad_dim(v, 1, npad)
-        v = pad_dim(v, 2, npad) if kind == "pair" else v
-        return local_block(v, grid, PAIR if kind == "pair" else SINGLE)
+        return local_block(layout.pad(v, kind), grid, PAIR if kind == "pair" else SINGLE)
 
     local = {k: tile(v, KINDS[k]) for k, v in full.items()}
     for k in diff:
@@ -195,7 +192,7 @@ def bench_rank_op(
     err_par = max((a.grad - b.grad).abs().max().item() for a, b in zip(serial.parameters(), cp.parameters()))
     f, b_ = fwd_ledger.summary(), bwd_ledger.summary()
     untimed = {"seconds_runs": [], "serial_seconds_runs": [], "matmul_gflops": None}
-    return {**untimed, **rank_figures(err_out, err_in, err_par, cpm, ser, f, b_, npad)}
+    return {**untimed, **rank_figures(err_out, err_in, err_par, cpm, ser, f, b_, layout.padded)}
 
 
 def plot_memory_and_bytes(results: list[dict[str, Any]], path: str) -> None:

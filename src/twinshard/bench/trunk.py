@@ -127,7 +127,7 @@ def trunk_rank(
 ) -> dict[str, Any]:
     """Run on every rank of a world of rows x cols ranks; returns this rank's figures."""
     from twinshard.pair.features import PairLayout, with_layout
-    from twinshard.tensors.dtensor import PAIR, SINGLE, from_local, local_block, pad_dim, padded_tokens
+    from twinshard.tensors.dtensor import PAIR, SINGLE, from_local, local_block
 
     dtype = getattr(torch, dtype_name)
     grid = make_grid(tuple(grid_shape))
@@ -135,14 +135,10 @@ def trunk_rank(
     serial, cp = _stacks(cfg, dtype, seed)
     cp = cp.to(device)
     full = {k: v.to(device) for k, v in _inputs(cfg, tokens, dtype, seed).items()}
-    npad = padded_tokens(tokens, grid)
     layout = PairLayout.for_sizes(tokens, grid)
 
     def tile(x: torch.Tensor, kind: str) -> torch.Tensor:
-        place = PAIR if kind == "pair" else SINGLE
-        x = pad_dim(x, 1, npad)
-        x = pad_dim(x, 2, npad) if kind == "pair" else x
-        return local_block(x, grid, place)
+        return local_block(layout.pad(x, kind), grid, PAIR if kind == "pair" else SINGLE)
 
     kinds = {"s": "single", "z": "pair", "mask": "single", "pair_mask": "pair", "gs": "single", "gz": "pair"}
     local = {k: tile(v, kinds[k]) for k, v in full.items()}
@@ -182,7 +178,7 @@ def trunk_rank(
         "comm_fwd_sent": f["bytes_sent"],
         "comm_fwd_recv": f["bytes_recv"],
         "comm_bwd": max(b_["bytes_sent"], b_["bytes_recv"]),
-        "padded_tokens": npad,
+        "padded_tokens": list(layout.padded),
     }
     if not check_serial:
         return mine
@@ -314,7 +310,7 @@ def train_rank(
         "comm_fwd_sent": f["bytes_sent"],
         "comm_fwd_recv": f["bytes_recv"],
         "comm_bwd": 0,
-        "padded_tokens": padded_tokens(tokens, grid),
+        "padded_tokens": list(padded_tokens(tokens, grid)),
     }
     if not check_serial or grid.rank != 0:
         return mine

@@ -365,9 +365,10 @@ def _interval(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
 def _transpose_moves(grid: ProcessGrid, nr: int, nc: int) -> tuple[list, list]:
     """Pieces of one tile transposition on a rows x cols grid (replicated metadata only).
 
-    The matrix is N x N with N = nr * rows = nc * cols; rank (r, c) stores ``X[I_r, J_c]``
+    The matrix is Nr x Nc with Nr = nr * rows, Nc = nc * cols; rank (r, c) stores ``X[I_r, J_c]``
     (I: row blocks of nr, J: column blocks of nc) and must end with ``X^T[I_r, J_c] =
-    X[J_c, I_r]^T``. Returns ``sends = [(peer, rows, cols)]`` (ranges within my stored tile)
+    X[J_c, I_r]^T`` where X has those entries (intersections of blocks: indices beyond X's
+    extent are not sent). Returns ``sends = [(peer, rows, cols)]`` (ranges within my stored tile)
     and ``recvs = [(peer, rows, cols)]`` (ranges of the peer's stored tile, in global
     indices, that land transposed in my output tile); one piece per peer and direction.
     """
@@ -394,11 +395,6 @@ def transpose_tiles_local(x: torch.Tensor, grid: ProcessGrid, op: str = "transpo
             f"transpose_tiles needs a 2-D grid and a tile [B, n_r, n_c, ...], got {tuple(x.shape)}"
         )
     nr, nc = x.shape[1], x.shape[2]
-    if nr * grid.rows != nc * grid.cols:
-        raise ValueError(
-            f"transpose_tiles: tile {tuple(x.shape)} on a {grid.rows}x{grid.cols} grid is not a tile "
-            f"of a square matrix ({nr * grid.rows} x {nc * grid.cols})"
-        )
     sends, recvs = _transpose_moves(grid, nr, nc)
     r, c = grid.coords
     rest = tuple(x.shape[3:])
@@ -408,7 +404,8 @@ def transpose_tiles_local(x: torch.Tensor, grid: ProcessGrid, op: str = "transpo
     ]
     recv_list = [(p, (x.shape[0], i1 - i0, j1 - j0) + rest) for p, (i0, i1), (j0, j1) in recvs]
     got = P.exchange(send_list, recv_list, dtype=x.dtype, op=op)
-    out = x.new_empty(x.shape)
+    square = nr * grid.rows == nc * grid.cols  # else the entries X lacks stay zero
+    out = x.new_empty(x.shape) if square else x.new_zeros(x.shape)
     for (_, (i0, i1), (j0, j1)), piece in zip(recvs, got):
         # X[i0:i1, j0:j1] (i in my column block J_c, j in my row block I_r) lands transposed
         out[:, j0 - r * nr : j1 - r * nr, i0 - c * nc : i1 - c * nc] = piece.transpose(1, 2)
@@ -428,7 +425,11 @@ class _TransposeTiles(torch.autograd.Function):
 
 def transpose_tiles(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
     """This rank's tile of ``X^T`` from its tile of ``X`` (dims 1 and 2 of ``x[B, n_r, n_c, ...]``
-    are the matrix dims; ``X`` is N x N with N = n_r * rows = n_c * cols), on ANY 2-D grid.
+    are the matrix dims; ``X`` is Nr x Nc with Nr = n_r * rows, Nc = n_c * cols), on ANY 2-D grid.
+
+    The result has ``x``'s shape, Nr x Nc: ``Y[i, j] = X[j, i]`` where ``j < Nr`` and ``i < Nc``,
+    zero elsewhere (a pair tensor padded separately along each axis: the entries only one
+    orientation has are padding). This map is its own adjoint.
 
     On a square grid this is ``grid_transpose`` plus the local transpose: one tile from the
     mirrored rank. On a rectangular grid the tile of ``X^T`` at (r, c) is made of pieces of

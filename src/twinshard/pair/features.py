@@ -9,8 +9,11 @@ into DTensors on a rows x cols grid at the contract placements (see
 - kind ``msa``    ``[B, S, N, ...]``: sequences block r x tokens block c;
 - kind ``sample`` ``[B, ...]``: replicated (per-sample scalars and vectors).
 
-N is padded at the end to a multiple of lcm(rows, cols) and S to a multiple of
-rows; padded entries are zero. The masks that make padding inert are added or
+N is padded at the end, to a multiple of rows where tokens are split over grid rows
+(``single``, dim 1 of ``pair``) and to a multiple of cols where they are split over grid
+columns (dim 2 of ``pair``, ``msa``); S to a multiple of rows. So on a rectangular grid a
+pair tensor may be ``[B, Nr, Nc, ...]`` with Nr != Nc (``twinshard.tensors.dtensor``);
+padded entries are zero. The masks that make padding inert are added or
 extended: ``token_pad_mask [B, N]`` (given, else ones), ``pair_mask [B, N, N]``
 (given, else the outer product of the token mask) and, when MSA features are
 present, ``msa_mask [B, S, N]`` (given, else the token mask on every real
@@ -155,8 +158,8 @@ PLACEMENT_TABLE: dict[str, str] = {
     "num_tokens": "sample",
 }
 
-# Token dims and sequence dim of each kind (after the batch dim 0).
-_TOKEN_DIMS = {"single": (1,), "pair": (1, 2), "msa": (2,), "sample": ()}
+# Token dims of each kind -> the grid axis (0: rows, 1: cols) that splits them; sequence dim.
+_TOKEN_DIMS: dict[str, dict[int, int]] = {"single": {1: 0}, "pair": {1: 0, 2: 1}, "msa": {2: 1}, "sample": {}}
 _SEQ_DIM = {"msa": 1}
 
 
@@ -164,14 +167,15 @@ _SEQ_DIM = {"msa": 1}
 class PairLayout:
     """How features were padded and placed: what ``collect`` needs to undo it.
 
-    ``n_tokens``/``n_padded``: caller's and padded N; ``n_seqs``/``s_padded``: the
-    same for the MSA depth (None without MSA features); ``kinds``: kind of every
-    distributed key; ``added``: mask keys ``distribute`` created.
+    ``n_tokens``: caller's N; ``padded``: ``(Nr, Nc)``, N padded along grid rows and along grid
+    columns; ``n_seqs``/``s_padded``: the caller's and padded MSA depth (None without MSA
+    features); ``kinds``: kind of every distributed key; ``added``: mask keys ``distribute``
+    created.
     """
 
     grid_shape: tuple[int, ...]
     n_tokens: int
-    n_padded: int
+    padded: tuple[int, int]
     n_seqs: int | None = None
     s_padded: int | None = None
     kinds: dict[str, str] = field(default_factory=dict)
@@ -186,15 +190,15 @@ class PairLayout:
         return cls(
             grid_shape=shape,
             n_tokens=n_tokens,
-            n_padded=padded_tokens(n_tokens, shape),
+            padded=padded_tokens(n_tokens, shape),
             n_seqs=n_seqs,
             s_padded=None if n_seqs is None else padded_sequences(n_seqs, shape),
         )
 
     def pad(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         """Full tensor of ``kind`` padded with zeros to this layout (differentiable)."""
-        for d in _TOKEN_DIMS[kind]:
-            x = pad_dim(x, d, self.n_padded)
+        for d, axis in _TOKEN_DIMS[kind].items():
+            x = pad_dim(x, d, self.padded[axis])
         if kind in _SEQ_DIM:
             if self.s_padded is None:
                 raise ValueError("this layout has no MSA depth: build it with n_seqs=")
@@ -209,10 +213,11 @@ class PairLayout:
         return unpad(x, sizes)
 
     def token_mask(
-        self, dtype: torch.dtype = torch.float64, device: torch.device | None = None
+        self, axis: int, dtype: torch.dtype = torch.float64, device: torch.device | None = None
     ) -> torch.Tensor:
-        """``[n_padded]``: 1 on real tokens, 0 on padding."""
-        m = torch.zeros(self.n_padded, dtype=dtype, device=device)
+        """``[padded[axis]]``: 1 on real tokens, 0 on padding, for tokens split over grid rows
+        (``axis=0``) or grid columns (``axis=1``)."""
+        m = torch.zeros(self.padded[axis], dtype=dtype, device=device)
         m[: self.n_tokens] = 1
         return m
 
@@ -268,13 +273,13 @@ def _check_fits(x: DTensor, layout: PairLayout, kind: str, what: str) -> None:
         raise ValueError(
             f"{what}: an MSA tensor needs a layout with an MSA depth (PairLayout.for_sizes(n_seqs=))"
         )
-    bad = [d for d in _TOKEN_DIMS[kind] if x.shape[d] != layout.n_padded]
+    bad = [d for d, axis in _TOKEN_DIMS[kind].items() if x.shape[d] != layout.padded[axis]]
     if kind in _SEQ_DIM and x.shape[_SEQ_DIM[kind]] != layout.s_padded:
         bad.append(_SEQ_DIM[kind])
     if bad:
         raise ValueError(
             f"{what} has shape {tuple(x.shape)}, but a {kind} tensor of this layout has "
-            f"{layout.n_padded} padded tokens (N = {layout.n_tokens})"
+            f"{layout.padded} padded tokens along (rows, cols) (N = {layout.n_tokens})"
             + (
                 ""
                 if kind not in _SEQ_DIM
@@ -347,9 +352,9 @@ def _infer_kind(x: DTensor, layout: PairLayout) -> str:
         return "sample"
     if pl == SINGLE:
         return "single"
-    fits_pair = x.ndim >= 3 and x.shape[1] == x.shape[2] == layout.n_padded
+    fits_pair = x.ndim >= 3 and tuple(x.shape[1:3]) == tuple(layout.padded)
     fits_msa = layout.s_padded is not None and x.ndim >= 3 and x.shape[1] == layout.s_padded
-    fits_msa = fits_msa and x.shape[2] == layout.n_padded
+    fits_msa = fits_msa and x.shape[2] == layout.padded[1]
     if fits_pair != fits_msa:
         return "pair" if fits_pair else "msa"
     raise ValueError(f"with_layout: say kind='pair' or kind='msa' for a tensor of shape {tuple(x.shape)}")
@@ -460,16 +465,16 @@ def _full_with_masks(
     out = {k: layout.pad(features[k], kind_of[k]) for k in kind_of}
     b = next(iter(features.values())).shape[0]
     dev = next(iter(features.values())).device
-    pad_tok = layout.token_mask(mask_dtype, dev)
     if TOKEN_MASK not in out:
-        out[TOKEN_MASK] = pad_tok.expand(b, -1).clone()
-    tok = out[TOKEN_MASK]
+        out[TOKEN_MASK] = layout.token_mask(0, mask_dtype, dev).expand(b, -1).clone()
+    tok = out[TOKEN_MASK]  # [B, Nr]; the same tokens along columns: [B, Nc]
+    tok_c = pad_dim(tok[:, : layout.n_tokens], 1, layout.padded[1])
     if PAIR_MASK not in out:
-        out[PAIR_MASK] = (tok[:, :, None] * tok[:, None, :]).to(mask_dtype)
+        out[PAIR_MASK] = (tok[:, :, None] * tok_c[:, None, :]).to(mask_dtype)
     if any(kind == "msa" for kind in kind_of.values()) and MSA_MASK not in out:
         seq = torch.zeros(layout.s_padded, dtype=mask_dtype, device=dev)  # type: ignore[arg-type]
         seq[: layout.n_seqs] = 1
-        out[MSA_MASK] = (seq[None, :, None] * tok[:, None, :]).to(mask_dtype)
+        out[MSA_MASK] = (seq[None, :, None] * tok_c[:, None, :]).to(mask_dtype)
     return out
 
 
@@ -564,7 +569,7 @@ def distribute(
     layout = PairLayout(
         layout.grid_shape,
         layout.n_tokens,
-        layout.n_padded,
+        layout.padded,
         layout.n_seqs,
         layout.s_padded,
         all_kinds,
@@ -629,8 +634,8 @@ def _padded_shape(
     else:  # an added mask: [B, N], [B, N, N] or [B, S, N]
         b = next(iter(meta.values()))[0][0]
         shape = [b] + [0] * (len(_TOKEN_DIMS[kind]) + (1 if kind in _SEQ_DIM else 0))
-    for d in _TOKEN_DIMS[kind]:
-        shape[d] = layout.n_padded
+    for d, axis in _TOKEN_DIMS[kind].items():
+        shape[d] = layout.padded[axis]
     if kind in _SEQ_DIM:
         shape[_SEQ_DIM[kind]] = layout.s_padded  # type: ignore[assignment]
     return tuple(shape)

@@ -21,11 +21,16 @@ sample   ``x[B, ...]``       ``(Replicate(), Replicate())`` everything
 
 Uneven sizes (policy). Every tile of a tensor has the same shape, so tile
 shapes, sends and receives agree on all ranks and the global shape follows from
-the local one. The token count N is padded at the END up to a multiple of
-``lcm(rows, cols)`` (tokens are split over grid rows in ``z``/``s`` and over grid
-columns in ``z``/``m``; one padded length serves both, so ``z`` stays square
-and its transpose has the same tiling); the MSA depth S is padded up to a
-multiple of ``rows``. At most ``lcm(rows, cols) - 1`` padding tokens are added.
+the local one. The token count N is padded at the END, separately along each grid
+axis: to a multiple of ``rows`` where tokens are split over grid rows (dim 1 of
+``z``/``s``) and to a multiple of ``cols`` where they are split over grid columns
+(dim 2 of ``z`` and ``m``), so ``z`` is ``[B, Nr, Nc, ...]``, square only when both
+paddings agree (always on a square grid). Per rank this is the least any 2-D block
+tiling can hold, ``ceil(N / rows) * ceil(N / cols)`` entries of ``z`` (one padded
+length for both axes, a multiple of ``lcm(rows, cols)``, held up to ``(N + lcm - 1)^2 / P``).
+Tokens that exist along one axis only (``min(Nr, Nc) <= k < max(Nr, Nc)``) are padding:
+the mixing layers treat every token index as padding beyond either extent (a missing
+row or column is zero). The MSA depth S is padded up to a multiple of ``rows``.
 Padding at the end keeps every real entry at its serial global index, so
 index-keyed randomness (dropout) needs no translation. Padded entries are filled
 with zeros and their masks are zero: token-local layers may write finite junk
@@ -39,7 +44,6 @@ so every rank raises the same error at the same point, without a collective.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -103,10 +107,13 @@ def pad_multiple(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def padded_tokens(n: int, grid: GridLike | Sequence[int]) -> int:
-    """Padded token count on a rows x cols grid: a multiple of lcm(rows, cols)."""
+def padded_tokens(n: int, grid: GridLike | Sequence[int]) -> tuple[int, int]:
+    """Padded token counts ``(Nr, Nc)`` on a rows x cols grid: ``n`` padded to a multiple of
+    ``rows`` (tokens split over grid rows) and of ``cols`` (split over grid columns)."""
     shape = _shape(grid)
-    return pad_multiple(n, math.lcm(*shape))
+    if len(shape) != 2:
+        raise ValueError(f"token padding needs a rows x cols grid, got {shape}")
+    return pad_multiple(n, shape[0]), pad_multiple(n, shape[1])
 
 
 def padded_sequences(s: int, grid: GridLike | Sequence[int]) -> int:

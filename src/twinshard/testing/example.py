@@ -8,12 +8,13 @@ their bugs in subclasses of its twin, from the test.
 
 Placements: z tile (r, c) = rows block r x cols block c in and out; parameters replicated.
 Any N, by the library's padding policy (``twinshard.tensors.dtensor``): z is padded at the end
-to Np, a multiple of lcm(rows, cols), so every tile has the same shape
+to Nr x Nc (N up to a multiple of rows along dim 0, of cols along dim 1), so every tile has the
+same shape
 (``tile_slices``); the padded entries are zeros and stay inert (the MLP is token-local, so they
 never reach a real entry, and their gradient is cut away); ``collect_tiles`` gathers the equal
 tiles and cuts the padding off, giving the caller's N back. Collectives: none forward; backward
 one all-reduce per parameter (in >= fp32). Memory saved per rank: the tile's activations,
-Np^2 / P of serial.
+Nr Nc / P of serial.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ PLACEMENTS = (Shard(0), Shard(1))  # z[N, N, c]: rows over grid rows, columns ov
 
 
 def tile_of(z: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
-    """This rank's tile of a full z[N, N, ...], padded with zeros to Np (slices, no comm)."""
-    n_padded = padded_tokens(z.shape[0], grid)
-    zp = pad_dim(pad_dim(z, 0, n_padded), 1, n_padded)
+    """This rank's tile of a full z[N, N, ...], padded with zeros to Nr x Nc (slices, no comm)."""
+    nr, nc = padded_tokens(z.shape[0], grid)
+    zp = pad_dim(pad_dim(z, 0, nr), 1, nc)
     return zp[tile_slices(zp.shape, grid, PLACEMENTS)]
 
 
@@ -84,7 +85,7 @@ def run_example_twin(
     """One rank's side of the example parity test (the serial inputs are rebuilt from seeds).
 
     ``n`` = 13 is uneven on every grid of the tests and still gives every rank real entries (on
-    2 x 3 it pads to 18, tiles of 9 x 6)."""
+    2 x 3 it pads to 14 x 15, tiles of 7 x 5)."""
     torch.manual_seed(0)
     model = twin(c, hidden, grid)
     if zero_param:

@@ -1,9 +1,11 @@
 """CP twin of attention with pair bias on the single track (AF3 Alg. 24, Boltz-2 attentionv2).
 
-Placements. In: single ``s[B, Np, c_s]`` at ``(Shard(1), Replicate())`` (rows block r on grid
-row r, replicated along it), pair ``z[B, Np, Np, c_z]`` at ``(Shard(1), Shard(2))``, optional
-token ``mask[B, Np]`` and keys' input ``k_in[B, Np, c_s]`` at the single placement. Out: the
-update of ``s``, ``[B, Np, c_s]`` at ``(Shard(1), Replicate())``, carrying the layout of ``s``
+Placements. In: single ``s[B, Nr, c_s]`` at ``(Shard(1), Replicate())`` (rows block r on grid
+row r, replicated along it), pair ``z[B, Nr, Nc, c_z]`` at ``(Shard(1), Shard(2))`` (N padded
+along each axis for its grid axis, see ``twinshard.tensors.dtensor``; Np below stands for
+either), optional token ``mask[B, Nr]`` and keys' input ``k_in[B, Nr, c_s]`` at the single
+placement. Out: the update of ``s``, ``[B, Nr, c_s]`` at ``(Shard(1), Replicate())``, carrying
+the layout of ``s``
 (else of ``z``), padded tokens exactly zero. With ``mask=None`` every real token is a key and
 padded tokens never are (from the layout); a given mask is multiplied by the padding mask;
 with neither a layout nor a mask: a clear error on every rank.
@@ -66,14 +68,16 @@ from twinshard.tensors.dtensor import PAIR, SINGLE, check_placements, from_local
 
 __all__ = ["CPAttentionPairBias"]
 
-Moves = tuple[list[tuple[int, slice]], list[tuple[int, slice]]]
+Moves = tuple[list[tuple[int, slice]], list[tuple[int, slice]], int]
 
 
-def _key_moves(grid: ProcessGrid, n: int) -> Moves:
+def _key_moves(grid: ProcessGrid, n: tuple[int, int]) -> Moves:
     """``(sends = [(receiver, rows of my single block)], recvs = [(sender, rows of my key
-    block)])``: rank (r, c) gets the single rows ``J_c`` from ranks (a, (r + c) mod C)."""
+    block)], key block length)``: rank (r, c) gets the single rows ``J_c`` from ranks
+    (a, (r + c) mod C). ``n``: the pair's (Nr, Nc); key rows beyond the single's Nr are padding
+    (zero, never sent)."""
     R, C = grid.rows, grid.cols
-    nI, nJ = n // R, n // C
+    nI, nJ = n[0] // R, n[1] // C
     me = grid.rank
     sends, recvs = [], []
     for rank in range(grid.size):
@@ -87,12 +91,13 @@ def _key_moves(grid: ProcessGrid, n: int) -> Moves:
                 recvs.append((sender, slice(lo - c * nJ, hi - c * nJ)))
             if sender == me:
                 sends.append((rank, slice(lo - a * nI, hi - a * nI)))
-    return sends, recvs
+    return sends, recvs, nJ
 
 
 def _move_rows(x: torch.Tensor, moves: Moves, op: str) -> torch.Tensor:
-    """The key block ``[B, Np/C, ...]`` assembled from pieces of the single blocks (dim 1)."""
-    sends, recvs = moves
+    """The key block ``[B, Nc/C, ...]`` assembled from pieces of the single blocks (dim 1); rows
+    no single block holds (beyond Nr) are zero."""
+    sends, recvs, length = moves
     rest = tuple(x.shape[2:])
     got = Packed(
         [(p, x[:, rows]) for p, rows in sends],
@@ -100,7 +105,12 @@ def _move_rows(x: torch.Tensor, moves: Moves, op: str) -> torch.Tensor:
         x.dtype,
         op,
     ).wait()
-    return got[0] if len(got) == 1 else torch.cat(got, dim=1)
+    if sum(rows.stop - rows.start for _, rows in recvs) == length:
+        return got[0] if len(got) == 1 else torch.cat(got, dim=1)
+    out = x.new_zeros((x.shape[0], length) + rest)
+    for (_, rows), piece in zip(recvs, got):
+        out[:, rows] = piece
+    return out
 
 
 class _MoveRows(torch.autograd.Function):
@@ -113,14 +123,10 @@ class _MoveRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
-        sends, recvs = ctx.moves
+        sends, recvs, _ = ctx.moves
         g = g.contiguous()
         rest = ctx.shape[2:]
-        off, pieces = 0, []
-        for p, rows in recvs:  # my key block's rows, in the order they arrived
-            k = rows.stop - rows.start
-            pieces.append((p, g[:, off : off + k]))
-            off += k
+        pieces = [(p, g[:, rows]) for p, rows in recvs]  # my key block's rows
         got = Packed(
             pieces,
             [(p, (ctx.shape[0], rows.stop - rows.start) + rest) for p, rows in sends],
@@ -202,7 +208,7 @@ class CPAttentionPairBias(AttentionPairBias):
         check_placements(s, SINGLE, f"{what} input s", ndim=3)
         check_placements(z, PAIR, f"{what} input z", ndim=4)
         b, n = s.shape[:2]
-        if s.shape[-1] != self.c_s or tuple(z.shape) != (b, n, n, self.c_z):
+        if s.shape[-1] != self.c_s or tuple(z.shape[:2]) != (b, n) or z.shape[-1] != self.c_z:
             raise ValueError(
                 f"expected s [B, N, {self.c_s}] and z [B, N, N, {self.c_z}], got {tuple(s.shape)}, {tuple(z.shape)}"
             )
@@ -227,8 +233,13 @@ class CPAttentionPairBias(AttentionPairBias):
         s_local = s.to_local()
         mask_local = mask.to_local() if mask is not None else s_local.new_ones(s_local.shape[:2])
         key_real = None
-        if layout is not None and layout.n_tokens < layout.n_padded:
-            nI, nJ, c = s_local.shape[1], n // grid.cols, grid.coords[1]
+        if layout is None and z.shape[2] != n:
+            raise ValueError(
+                f"{what}: z {tuple(z.shape)} is not square and carries no PairLayout that tells its "
+                "padding: keep the layout from twinshard.pair.features on it (with_layout)"
+            )
+        if layout is not None and layout.n_tokens < max(layout.padded):
+            nI, nJ, c = s_local.shape[1], z.shape[2] // grid.cols, grid.coords[1]
             r = grid.coords[0]
             mask_local = mask_local * (
                 torch.arange(r * nI, (r + 1) * nI, device=s_local.device) < layout.n_tokens
@@ -253,8 +264,7 @@ class CPAttentionPairBias(AttentionPairBias):
         self, s: torch.Tensor, z: torch.Tensor, args: _TileArgs, k_in: torch.Tensor | None
     ) -> torch.Tensor:
         grid = args.grid
-        n = s.shape[1] * grid.rows
-        moves = _key_moves(grid, n)
+        moves = _key_moves(grid, (s.shape[1] * grid.rows, z.shape[2] * grid.cols))
         # s is replicated along the grid row: every rank's gradient is a partial, summed there
         s = comm.sync_grad(s, grid.row_group)
         k_in = s if k_in is None else comm.sync_grad(k_in, grid.row_group)

@@ -5,7 +5,12 @@ contracted over one token (or sequence) index k, per channel, with ``op`` the id
 or a transpose of the two leading matrix dims. Every operand is stored tiled like a pair
 tensor: ``X[B, rows, cols, *ch]`` with ``rows`` split over the grid rows and ``cols`` over
 the grid columns (equal tiles: sizes are padded, see ``twinshard.tensors.dtensor``).
-The result ``Z[B, M, Nn, *ch]`` comes back in the same tiling.
+The result ``Z[B, M, Nn, *ch]`` comes back in the same tiling. On a rectangular grid a pair
+tensor is padded separately along each axis (``[Nr, Nc]``, see ``twinshard.tensors.dtensor``),
+so the two extents of one token index can differ between operands and result: the caller
+states the result's global shape, k runs over the shorter of the two operands' extents, and
+whatever a range needs beyond an operand's extent is zero (it is padding, masked to zero in
+the operands, so no real entry changes).
 
 Schedules (chosen from the grid shape, a replicated value):
 
@@ -120,24 +125,33 @@ def grid_matmul(
     tag: str,
     kernel: str = "einsum",
     ct: torch.dtype | None = None,
+    out: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Local tile of ``Z = op(X) op(Y)`` (see module docstring); ``equation`` is the einsum of
     one block product on oriented tiles ``X'[b, m, k, ...]`` and ``Y'[b, k, n, ...]``,
     ``kernel`` how it runs (:func:`_product`; the result is in that kernel's layout).
-    Tiles travel in their own dtype; products accumulate in ``ct`` (default: >= fp32)."""
+    Tiles travel in their own dtype; products accumulate in ``ct`` (default: >= fp32).
+    ``out``: Z's global (rows, cols) when it differs from op(X)'s rows and op(Y)'s columns
+    (separately padded token axes: rectangular grids only); k runs over the shorter extent."""
     m = x.cols if tx else x.rows
-    k = x.rows if tx else x.cols
-    k2 = y.cols if ty else y.rows
+    kx = x.rows if tx else x.cols
+    ky = y.cols if ty else y.rows
     n = y.rows if ty else y.cols
-    if k != k2:
-        raise ValueError(f"contraction sizes differ: {k} vs {k2}")
     if ct is None:
         ct = torch.promote_types(torch.promote_types(x.tile.dtype, y.tile.dtype), torch.float32)
+    natural = out is None or tuple(out) == (m, n)
+    if grid.rows == grid.cols and (kx != ky or not natural):
+        raise ValueError(
+            f"contraction sizes differ ({m} x {kx} times {ky} x {n} into {out}): on a square grid "
+            "both token axes are padded alike (twinshard.tensors.dtensor.padded_tokens)"
+        )
     if grid.size == 1:
         return _product(kernel, equation, _orient(x.tile, tx), _orient(y.tile, ty), None, ct)
     if grid.rows == grid.cols:
         return _cannon(grid, x, tx, y, ty, equation, tag, kernel, ct)
-    return _summa(grid, x, tx, y, ty, equation, tag, m, k, n, kernel, ct)
+    if out is not None:
+        m, n = out
+    return _summa(grid, x, tx, y, ty, equation, tag, m, min(kx, ky), n, kernel, ct)
 
 
 def _cannon(
@@ -251,10 +265,10 @@ def _cannon_chunked(
     return acc
 
 
-def k_segments(k: int, kx: int, ky: int) -> list[Range]:
-    """The k-segments of SUMMA: ``[0, k)`` cut at every tile edge of X (k split in ``kx``
-    blocks) and of Y (``ky`` blocks), so each segment lies in one tile of each operand."""
-    edges = sorted({k * i // kx for i in range(kx + 1)} | {k * i // ky for i in range(ky + 1)})
+def k_segments(k: int, bx: int, by: int) -> list[Range]:
+    """The k-segments of SUMMA: ``[0, k)`` cut at every tile edge of X (tiles ``bx`` wide along
+    k) and of Y (``by`` wide), so each segment lies in one tile of each operand."""
+    edges = sorted({0, k} | set(range(bx, k, bx)) | set(range(by, k, by)))
     return list(zip(edges[:-1], edges[1:]))
 
 
@@ -292,7 +306,9 @@ def _summa(
     # k is tiled by R (stored rows) or C (stored cols) in each operand; cut at every edge, then
     # finer so that one segment's pieces (held twice: in use and in flight) stay small.
     width = _segment_width(kernel, x.tile, y.tile, m_loc, n_loc)
-    cuts = k_segments(k, R if tx else C, C if ty else R)
+    bx = x.tile.shape[1] if tx else x.tile.shape[2]  # k-width of a stored tile of X, of Y
+    by = y.tile.shape[2] if ty else y.tile.shape[1]
+    cuts = k_segments(k, bx, by)
     segs = [(a, min(a + width, hi)) for lo, hi in cuts for a in range(lo, hi, width)]
 
     def wants(seg: Range) -> list[Callable[[int], tuple[Range, Range]]]:
@@ -325,8 +341,10 @@ def _summa(
                 rs, cs = acc.shape[1] // m_loc, acc.shape[2] // n_loc  # acc entries per token
                 view = acc[:, mo * rs : (mo + xo.shape[1]) * rs, no * cs : (no + yo.shape[2]) * cs]
                 _product(kernel, equation, xo, yo, view, ct)
-        del xs, ys, xp, yp, xo, yo  # the segment's pieces go before the next arrives
-    assert acc is not None  # at least one segment
+        del xs, ys  # the segment's pieces go before the next arrives
+        xp = yp = xo = yo = None
+    if acc is None:  # this tile lies wholly beyond an operand's extent (padding only): zeros
+        acc = _new_acc(kernel, equation, _orient(x.tile, tx), _orient(y.tile, ty), m_loc, n_loc, ct)
     return acc
 
 
@@ -428,11 +446,12 @@ class _GridContract(torch.autograd.Function):
         spec: Contraction,
         xshape: tuple[int, int],
         yshape: tuple[int, int],
+        zshape: tuple[int, int],
         wire: torch.dtype,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
         ct = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-        ctx.grid, ctx.spec, ctx.xshape, ctx.yshape = grid, spec, xshape, yshape
+        ctx.grid, ctx.spec, ctx.xshape, ctx.yshape, ctx.zshape = grid, spec, xshape, yshape, zshape
         ctx.ct, ctx.in_dtypes, ctx.batch = ct, (x.dtype, y.dtype), x.shape[0]
         ctx.channels = (x.shape[-1], y.shape[-1])
         if spec.kernel == "bmm":  # laid out once per call: channels as the batch of a bmm
@@ -450,6 +469,7 @@ class _GridContract(torch.autograd.Function):
             spec.tag,
             spec.kernel,
             ct,
+            zshape,
         )
         return z.to(out_dtype)  # bmm / outer: in the kernel's layout (grid_contract's _TileLayout)
 
@@ -459,11 +479,10 @@ class _GridContract(torch.autograd.Function):
         grid, spec, ct = ctx.grid, ctx.spec, ctx.ct
         tx, ty = spec.tx, spec.ty
         X, Y = Tiled(x, *ctx.xshape), Tiled(y, *ctx.yshape)
-        mz = ctx.xshape[1] if tx else ctx.xshape[0]
-        nz = ctx.yshape[0] if ty else ctx.yshape[1]
+        mz, nz = ctx.zshape
         tag = f"{spec.tag}:backward"
         gx = gy = None
-        none = (None,) * 6
+        none = (None,) * 7
         if spec.stationary_grad:
             if not (tx and not ty):
                 raise ValueError("stationary_grad is implemented for tx=True, ty=False only")
@@ -480,7 +499,7 @@ class _GridContract(torch.autograd.Function):
                 if fn is None:
                     g = _stationary_product(spec.kernel, eq, which, w, dz, None, ct, nch)
                 else:
-                    g = fn(grid, dz, w, which, eq, tag, spec.kernel, ct, nch)
+                    g = fn(grid, dz, w, which, eq, tag, spec.kernel, ct, nch, ctx.zshape)
                 g = g.to(ctx.in_dtypes[idx])
                 gx, gy = (g, gy) if idx == 0 else (gx, g)
             return (gx, gy, *none)
@@ -497,15 +516,17 @@ class _GridContract(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # dX' = dZ Y'^T; stored X = X' (tx False) or X'^T = Y' dZ^T (tx True).
             if not tx:
-                gx = back(grid_matmul(grid, Z, False, Y, not ty, spec.grad_x, *args), 0)
+                gx = grid_matmul(grid, Z, False, Y, not ty, spec.grad_x, *args, out=ctx.xshape)
             else:
-                gx = back(grid_matmul(grid, Y, ty, Z, True, spec.grad_x, *args), 0)
+                gx = grid_matmul(grid, Y, ty, Z, True, spec.grad_x, *args, out=ctx.xshape)
+            gx = back(gx, 0)
         if ctx.needs_input_grad[1]:
             # dY' = X'^T dZ; stored Y = Y' (ty False) or Y'^T = dZ^T X' (ty True).
             if not ty:
-                gy = back(grid_matmul(grid, X, not tx, Z, False, spec.grad_y, *args), 1)
+                gy = grid_matmul(grid, X, not tx, Z, False, spec.grad_y, *args, out=ctx.yshape)
             else:
-                gy = back(grid_matmul(grid, Z, True, X, tx, spec.grad_y, *args), 1)
+                gy = grid_matmul(grid, Z, True, X, tx, spec.grad_y, *args, out=ctx.yshape)
+            gy = back(gy, 1)
         return (gx, gy, *none)
 
 
@@ -518,9 +539,11 @@ def grid_contract(
     yshape: tuple[int, int],
     wire_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
+    zshape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Differentiable local tile of ``op(X) op(Y)``; ``xshape``/``yshape`` are the global
-    (rows, cols) of the stored operands (padded, divisible by the grid).
+    (rows, cols) of the stored operands (padded, divisible by the grid), ``zshape`` the
+    result's (default: op(X)'s rows by op(Y)'s columns; see :func:`grid_matmul`'s ``out``).
 
     ``wire_dtype`` (default: x's dtype): the dtype the operand tiles are stored, saved and sent
     in; a caller passes a narrower one (bf16) only when x and y hold values exact in it (e.g.
@@ -543,11 +566,14 @@ def grid_contract(
         raise ValueError(f"kernel must be one of {KERNELS}, got {spec.kernel!r}")
     if spec.kernel == "outer" and not spec.stationary_grad:
         raise ValueError("the 'outer' kernel runs its backward with stationary_grad=True only")
+    if zshape is None:
+        zshape = (xshape[1] if spec.tx else xshape[0], yshape[0] if spec.ty else yshape[1])
+    if zshape[0] % grid.rows or zshape[1] % grid.cols:
+        raise ValueError(f"result {tuple(zshape)} does not tile on a {grid.rows}x{grid.cols} grid")
     ct = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
     wire = x.dtype if wire_dtype is None else wire_dtype
-    z = _GridContract.apply(
-        x, y, grid, spec, tuple(xshape), tuple(yshape), wire, ct if out_dtype is None else out_dtype
-    )
+    out = ct if out_dtype is None else out_dtype
+    z = _GridContract.apply(x, y, grid, spec, tuple(xshape), tuple(yshape), tuple(zshape), wire, out)
     if spec.kernel in ("bmm", "outer"):
         return _TileLayout.apply(z, spec.kernel, x.shape[0], x.shape[-1], y.shape[-1])
     return z

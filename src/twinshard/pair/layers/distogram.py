@@ -55,7 +55,7 @@ from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.reference.distogram import DistogramHead
 from twinshard.pair.reference.norm import compute_dtype
 from twinshard.runtime import ProcessGrid
-from twinshard.tensors.dtensor import PAIR, SINGLE, check_placements, from_local
+from twinshard.tensors.dtensor import PAIR, SINGLE, check_placements, from_local, pad_dim
 
 __all__ = ["CPDistogramHead", "DistogramLossFunction"]
 
@@ -119,7 +119,7 @@ def _pair_weight(z: DTensor, mask: DTensor | None, grid: ProcessGrid) -> torch.T
                 "distogram loss (mask=None): z carries no PairLayout, so padded tokens cannot be told "
                 "from real ones: pass mask= or restore the layout with twinshard.pair.features.with_layout"
             )
-        full = (torch.arange(layout.n_padded, device=local.device) < layout.n_tokens).to(local.dtype)
+        full = (torch.arange(max(layout.padded), device=local.device) < layout.n_tokens).to(local.dtype)
         full = full.expand(b, -1)
     else:  # the single mask's rows I_r are local; its columns J_c come from the grid column
         full = P.all_gather(
@@ -127,6 +127,7 @@ def _pair_weight(z: DTensor, mask: DTensor | None, grid: ProcessGrid) -> torch.T
         )
         if layout is not None:
             full = full * (torch.arange(full.shape[1], device=local.device) < layout.n_tokens)
+        full = pad_dim(full, 1, max(full.shape[1], (c + 1) * nj))  # columns beyond Nr: padding
     mi, mj = full[:, rows], full[:, cols]
     off_diag = (rows[:, None] != cols[None, :]).to(local.dtype)
     return mi[:, :, None] * mj[:, None, :] * off_diag
@@ -147,7 +148,7 @@ class CPDistogramHead(DistogramHead):
             check_placements(mask, SINGLE, f"{what} mask", ndim=2)
         if self.num_distograms != 1:
             raise ValueError(f"the aggregated loss takes one predicted distogram, got {self.num_distograms}")
-        if z.shape[-1] != self.token_z or z.shape[1] != z.shape[2]:
+        if z.shape[-1] != self.token_z or (z.shape[1] != z.shape[2] and layout_of(z) is None):
             raise ValueError(f"expected a pair tensor [B, N, N, {self.token_z}], got {tuple(z.shape)}")
         if tuple(target.shape[:3]) != tuple(z.shape[:3]) or target.shape[-1] != self.num_bins:
             raise ValueError(

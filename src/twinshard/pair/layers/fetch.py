@@ -47,7 +47,8 @@ class _Fetch:
     :meth:`wait_pieces`.
 
     ``wants[i][rank]`` is the (rows, cols) range of operand i, in stored orientation, that
-    ``rank`` needs. Every rank derives every peer's wants from replicated metadata, so all
+    ``rank`` needs; a range may reach past the operand's extent (a pair tensor padded
+    separately along each axis, see ``twinshard.tensors.dtensor``): what lies beyond is zero. Every rank derives every peer's wants from replicated metadata, so all
     agree on who sends what without a handshake. A piece this rank holds itself never travels
     (a view of its tile); a piece wanted by several peers (a SUMMA row or column broadcast) is
     made contiguous once and that buffer goes to each of them; a piece arrives in its own buffer
@@ -105,7 +106,8 @@ class _Fetch:
         return n
 
     def wait_pieces(self) -> list[list[tuple[int, int, torch.Tensor]]]:
-        """Per operand: ``(row offset, col offset, piece)`` within the wanted range, covering it."""
+        """Per operand: ``(row offset, col offset, piece)`` within the wanted range, covering the
+        part of it inside the operand (possibly no piece at all)."""
         outs = []
         for i, (x, pending) in enumerate(zip(self.ops, self._pending)):
             (r0, _), (c0, _) = self.mine[i]
@@ -120,14 +122,18 @@ class _Fetch:
 
     def wait(self) -> list[torch.Tensor]:
         """Per operand: the whole wanted range as one tensor (a piece as received or held when
-        it is the whole range, else the pieces copied into a new tile)."""
+        it is the whole range, else the pieces copied into a new tile, zero where the range
+        reaches past the operand)."""
         outs = []
         for (x, ((r0, r1), (c0, c1))), pieces in zip(zip(self.ops, self.mine), self.wait_pieces()):
-            if len(pieces) == 1:
+            held = sum(p.shape[1] * p.shape[2] for _, _, p in pieces)
+            whole = held == (r1 - r0) * (c1 - c0)
+            if whole and len(pieces) == 1:
                 outs.append(pieces[0][2])
                 continue
             t = x.tile
-            out = t.new_empty((t.shape[0], r1 - r0, c1 - c0) + tuple(t.shape[3:]))
+            shape = (t.shape[0], r1 - r0, c1 - c0) + tuple(t.shape[3:])
+            out = t.new_empty(shape) if whole else t.new_zeros(shape)
             for ro, co, p in pieces:
                 out[:, ro : ro + p.shape[1], co : co + p.shape[2]].copy_(p)
             outs.append(out)

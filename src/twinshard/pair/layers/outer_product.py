@@ -1,9 +1,10 @@
 """CP twin of the outer product mean (MSA -> pair) on a rows x cols grid.
 
-Placements. In: MSA ``m[B, Sp, Np, c_in]`` at ``(Shard(1), Shard(2))`` (sequences over
-grid rows, tokens over grid columns) and its mask ``[B, Sp, Np]`` at the same placements
-(Sp padded to a multiple of rows, Np to a multiple of lcm(rows, cols) by
-``twinshard.pair.features``). Out: pair ``z[B, Np, Np, c_out]`` at ``(Shard(1), Shard(2))``,
+Placements. In: MSA ``m[B, Sp, Nc, c_in]`` at ``(Shard(1), Shard(2))`` (sequences over
+grid rows, tokens over grid columns) and its mask ``[B, Sp, Nc]`` at the same placements
+(Sp padded to a multiple of rows, N to a multiple of cols, Nc, by ``twinshard.pair.features``).
+Out: pair ``z[B, Nr, Nc, c_out]`` at ``(Shard(1), Shard(2))`` (Nr: N padded to a multiple of
+rows, from m's layout; without one Nr = Nc, which must then be a multiple of rows too),
 carrying m's ``PairLayout`` (as a pair tensor), padded entries exactly zero. The padding
 (sequences and tokens) is masked from the layout m (or the mask) carries: the whole mask
 when ``mask=None``, a factor of a given mask, so padded sequences are never counted.
@@ -77,36 +78,43 @@ class CPOuterProductMean(OuterProductMean, TokenwiseTwin):
         if m.shape[-1] != self.c_in:
             raise ValueError(f"expected an MSA [B, S, N, {self.c_in}], got {tuple(m.shape)}")
         grid = pair_grid(m)
-        if m.shape[2] % grid.rows:
-            raise ValueError(
-                f"token count {m.shape[2]} is not a multiple of the {grid.rows} grid "
-                "rows: pad N to a multiple of lcm(rows, cols) (twinshard.pair.features)"
-            )
         if mask is not None:
             check_placements(mask, MSA, f"{type(self).__name__} mask", ndim=3)
             if tuple(mask.shape) != tuple(m.shape[:3]):
                 raise ValueError(f"mask {tuple(mask.shape)} does not match m {tuple(m.shape)}")
         layout, keep = mixing_layout(m, mask, "msa", f"{type(self).__name__} (mask=None)")
+        n_rows = m.shape[2] if layout is None else layout.padded[0]  # the output's Nr
+        if n_rows % grid.rows:
+            raise ValueError(
+                f"token count {m.shape[2]} is not a multiple of the {grid.rows} grid rows: pad N "
+                "with twinshard.pair.features (its layout pads each token axis for its grid axis)"
+            )
         shape = m.to_local().shape[:3]
         mask_local = torch.ones(shape, dtype=m.dtype, device=m.device) if mask is None else mask.to_local()
         if keep is not None:  # padded sequences and tokens are never counted
             mask_local = mask_local * keep.to(mask_local.dtype).expand(shape)
-        out = self.tile_forward(m, mask_local, grid)
+        out = self.tile_forward(m, mask_local, (grid, n_rows))
         if layout is not None and layout_of(out) is None:  # the layout came with the mask
             out = with_layout(out, layout, "pair")
         return out
 
-    def _tile_forward(self, m: torch.Tensor, mask: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
+    def _tile_forward(
+        self, m: torch.Tensor, mask: torch.Tensor, where: tuple[ProcessGrid, int]
+    ) -> torch.Tensor:
+        grid, n_rows = where
         a, b = self.project_in(m, mask)
         s, n = m.shape[1] * grid.rows, m.shape[2] * grid.cols
+        zshape = (n_rows, n)
         with torch.no_grad():
             mk = mask.to(a.dtype).unsqueeze(-1).contiguous()
-            count = grid_matmul(grid, Tiled(mk, s, n), True, Tiled(mk, s, n), False, _COUNT, "opm_count")
+            count = grid_matmul(
+                grid, Tiled(mk, s, n), True, Tiled(mk, s, n), False, _COUNT, "opm_count", out=zshape
+            )
             count = count.reshape(*count.shape[:3], 1).clamp(min=1)
         # bf16/fp16 MSA: a and b are m.dtype values upcast, so they travel in m.dtype exactly;
         # the sum (divided by the counts before rounding, as serial) stays in fp32.
         wire = m.dtype if a.dtype != m.dtype else None
-        o = grid_contract(a, b, grid, OPM_SPEC, (s, n), (s, n), wire_dtype=wire)
+        o = grid_contract(a, b, grid, OPM_SPEC, (s, n), (s, n), wire_dtype=wire, zshape=zshape)
         o = o.reshape(*o.shape[:3], self.c_hidden * self.c_hidden) / count
-        # The output is a pair tile: rows block r of Np, columns block c of Np.
+        # The output is a pair tile: rows block r of Nr, columns block c of Nc.
         return self.project_out(o, m.dtype)

@@ -179,7 +179,8 @@ class CPPairformerLayer(_PlainArgs, nn.Module):
             )
         check_placements(s, SINGLE, f"{what} input s", ndim=3)
         check_placements(z, PAIR, f"{what} input z", ndim=4)
-        if tuple(z.shape[:2]) != tuple(s.shape[:2]) or z.shape[1] != z.shape[2]:
+        square = z.shape[1] == z.shape[2] or layout_of(z) is not None  # else: padding unknown
+        if tuple(z.shape[:2]) != tuple(s.shape[:2]) or not square:
             raise ValueError(
                 f"expected s[B, N, c_s] and z[B, N, N, c_z], got {tuple(s.shape)} and {tuple(z.shape)}"
             )

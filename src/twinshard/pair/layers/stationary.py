@@ -65,8 +65,10 @@ def _cannon_stationary(
     kernel: str = "einsum",
     ct: torch.dtype = torch.float64,
     nch: int = 0,
+    zshape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Gradient of ``Z = X^T Y`` (X, Y stored [K, N] like MSA tiles) with dZ kept in place.
+    """Gradient of ``Z = X^T Y`` (X, Y stored [K, N] like MSA tiles) with dZ kept in place
+    (``zshape``, dZ's global shape, is N x N on a square grid and not needed).
 
     Rank (r, c) holds ``dZ[I_r, J_c]`` and at step t works on k-block ``k = r + c + t``:
     - ``which="x"``: ``dX[k, I_r] += sum_j Y[k, J_c] dZ[I_r, J_c]^T``; Y's tiles move up the
@@ -136,8 +138,13 @@ def _summa_stationary(
     kernel: str = "einsum",
     ct: torch.dtype = torch.float64,
     nch: int = 0,
+    zshape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The rectangular-grid form of :func:`_cannon_stationary` (same contractions, dZ in place).
+
+    ``zshape``: dZ's global (rows, cols), ``(Nr, N)`` for operands stored [K, N] (default N x N);
+    Nr may differ from N (token axes padded separately): tokens beyond either are padding, so
+    the pieces of a partial beyond N are dropped and operand columns beyond N read as zero.
 
     For each k-block (grid row k of the stored [K, N] operands): fetch the operand piece this
     rank's dZ tile multiplies (``Y[k, J_c]``, one tile from rank (k, c); or ``X[k, I_r]``,
@@ -150,14 +157,15 @@ def _summa_stationary(
     r, c = grid.coords
     kb, nb = w.shape[1], w.shape[2]  # stored tile: K / R rows, N / C cols
     K, N = kb * R, nb * C
-    nr = N // R  # dZ rows block (tokens over grid rows)
+    Nr = N if zshape is None else zshape[0]
+    nr = Nr // R  # dZ rows block (tokens over grid rows)
     out = None
     mine_cols = block_range(N, C, c)
 
     def fetch(k: int) -> _Fetch:
         def want(rank: int) -> tuple[Range, Range]:
             rr, cc = grid.coords_of(rank)
-            return block_range(K, R, k), (block_range(N, C, cc) if which == "x" else block_range(N, R, rr))
+            return block_range(K, R, k), (block_range(N, C, cc) if which == "x" else block_range(Nr, R, rr))
 
         return _Fetch(grid, [Tiled(w, K, N)], [want], op=f"{tag}:summa_fetch")
 
@@ -177,14 +185,14 @@ def _summa_stationary(
         if which == "x":  # partial dX[k, I_r]: to the owners (k, c') of the columns of I_r
             sends = []
             for c2 in range(C):
-                hit = _inter(block_range(N, R, r), block_range(N, C, c2))
+                hit = _inter(block_range(Nr, R, r), block_range(N, C, c2))
                 if hit:
                     piece = part[:, :, hit[0] - r * nr : hit[1] - r * nr]
                     sends.append((grid.rank_of((k, c2)), piece.contiguous()))
             recvs = []
             if r == k:
                 for r2 in range(R):
-                    hit = _inter(block_range(N, R, r2), mine_cols)
+                    hit = _inter(block_range(Nr, R, r2), mine_cols)
                     if hit:
                         for c2 in range(C):
                             recvs.append((grid.rank_of((r2, c2)), hit))

@@ -145,6 +145,12 @@ def mixing_layout(
                 "the layout: restore it with twinshard.pair.features.with_layout(z + y, z), or add "
                 "with twinshard.pair.layers.pointwise(lambda a, b: a + b, z, y), or pass mask="
             )
+        if kind == "pair" and x.shape[1] != x.shape[2]:
+            raise ValueError(
+                f"{what}: a pair tensor of shape {tuple(x.shape)} is not square; token axes padded "
+                "apart come from twinshard.pair.features (distribute, shard_tensor), whose PairLayout "
+                "tells their padding: keep it on the tensor (with_layout)"
+            )
         return None, None
     _check_fits(x, layout, kind, what)
     return layout, padding_keep(x, layout, kind)

@@ -1,8 +1,9 @@
 """CP twin of the triangle multiplicative update (outgoing and incoming) on a rows x cols grid.
 
-Placements. In: pair ``z[B, Np, Np, dim]`` at ``(Shard(1), Shard(2))`` and its mask
-``[B, Np, Np]`` at the same placements (Np = N padded to a multiple of lcm(rows, cols)
-by ``twinshard.pair.features``). Out: ``[B, Np, Np, dim]`` at ``(Shard(1), Shard(2))``,
+Placements. In: pair ``z[B, Nr, Nc, dim]`` at ``(Shard(1), Shard(2))`` and its mask
+``[B, Nr, Nc]`` at the same placements (N padded to a multiple of rows along dim 1 and of cols
+along dim 2 by ``twinshard.pair.features``; Nr != Nc only with the layout that says so). Out:
+``[B, Nr, Nc, dim]`` at ``(Shard(1), Shard(2))``,
 carrying z's ``PairLayout``, padded entries exactly zero. The padding mask comes from the
 layout z (or the mask) carries: with ``mask=None`` it is the whole mask, a given mask is
 multiplied by it, so padding never leaks into real entries (``a`` and ``b`` are masked
@@ -90,7 +91,7 @@ class CPTriangleMultiplication(TriangleMultiplication, TokenwiseTwin):
         if self._on_tile:
             return self._tile_forward(z, mask, grid)
         check_placements(z, PAIR, f"{type(self).__name__} input z", ndim=4)
-        if z.shape[1] != z.shape[2] or z.shape[-1] != self.dim:
+        if z.shape[-1] != self.dim:
             raise ValueError(f"expected a pair tensor [B, N, N, {self.dim}], got {tuple(z.shape)}")
         mask_local = None
         if mask is not None:
@@ -109,13 +110,12 @@ class CPTriangleMultiplication(TriangleMultiplication, TokenwiseTwin):
 
     def _tile_forward(self, z: torch.Tensor, mask: torch.Tensor | None, grid: ProcessGrid) -> torch.Tensor:
         a, b, x = self.project_in(z, mask)
-        n = z.shape[1] * grid.rows
+        shape = (z.shape[1] * grid.rows, z.shape[2] * grid.cols)  # (Nr, Nc), also a's and b's
         # bf16/fp16 activations: a and b are z.dtype values upcast for the sum, so their tiles are
         # stored and sent in z.dtype exactly; the fp32 sum is rounded once, as project_out would.
         wire = z.dtype if a.dtype != z.dtype else None
-        o = grid_contract(
-            a, b, grid, TRIMUL_SPECS[self.direction], (n, n), (n, n), wire_dtype=wire, out_dtype=wire
-        )
+        spec = TRIMUL_SPECS[self.direction]
+        o = grid_contract(a, b, grid, spec, shape, shape, wire_dtype=wire, out_dtype=wire, zshape=shape)
         return self.project_out(o, x)
 
 

@@ -1,8 +1,9 @@
 """CP twins of triangle attention around the starting and the ending node (AF3 Alg. 14/15).
 
-Placements. In: pair ``z[B, Np, Np, c_in]`` at ``(Shard(1), Shard(2))`` and optionally its
-mask ``[B, Np, Np]`` at the same placements (Np = N padded to a multiple of lcm(rows, cols) by
-``twinshard.pair.features``). Out: ``[B, Np, Np, c_in]`` at ``(Shard(1), Shard(2))``, carrying
+Placements. In: pair ``z[B, Nr, Nc, c_in]`` at ``(Shard(1), Shard(2))`` and optionally its
+mask ``[B, Nr, Nc]`` at the same placements (N padded to a multiple of rows along dim 1 and of
+cols along dim 2 by ``twinshard.pair.features``; Np below stands for either). Out:
+``[B, Nr, Nc, c_in]`` at ``(Shard(1), Shard(2))``, carrying
 z's ``PairLayout``, padded entries exactly zero. With ``mask=None`` the mask is the padding
 mask of the layout z carries; a given mask is multiplied by it; without a layout a mask is
 required (else: a clear error, on every rank).
@@ -153,14 +154,18 @@ def _ring_peers(grid: ProcessGrid, t: int) -> tuple[int, int]:
     return grid.rank_of((r, r + c - 1)), grid.rank_of((r, c - r + 1))
 
 
-def _bias_plan(grid: ProcessGrid, n: int, t: int) -> tuple[list[tuple[int, slice]], list[tuple[int, slice]]]:
+def _bias_plan(
+    grid: ProcessGrid, n: tuple[int, int], t: int
+) -> tuple[list[tuple[int, slice]], list[tuple[int, slice]]]:
     """Who sends which bias rows at step t. ``serve = [(receiver, rows of my bias tile)]``,
-    ``fetch = [(owner, rows of my bias block)]`` (ascending rows, covering the block).
+    ``fetch = [(owner, rows of my bias block)]`` (ascending rows, covering the part of the block
+    inside the bias's Nr rows; ``n`` is the pair's global (Nr, Nc)).
 
     Rank (r, c) needs ``b[J_c, K_kb]``; rows ``J_c`` lie in the row blocks ``I_a`` of the
-    ranks (a, kb). On a square grid each rank serves exactly one receiver per step."""
+    ranks (a, kb); rows beyond Nr (padding, when Nc > Nr) are zero. On a square grid each
+    rank serves exactly one receiver per step."""
     R, C = grid.rows, grid.cols
-    nI, nJ = n // R, n // C
+    nI, nJ = n[0] // R, n[1] // C
     me = grid.rank
     serve, fetch = [], []
     for rank in range(grid.size):
@@ -180,7 +185,7 @@ def _bias_plan(grid: ProcessGrid, n: int, t: int) -> tuple[list[tuple[int, slice
 
 
 def _bias_grad_moves(
-    grid: ProcessGrid, n: int, t: int
+    grid: ProcessGrid, n: tuple[int, int], t: int
 ) -> tuple[list[tuple[int, slice]], list[tuple[int, slice]]]:
     """The reverse of step t's bias fetch: ``(sends = [(owner, rows of my block gradient)],
     recvs = [(receiver, rows of my bias-tile gradient)])``."""
@@ -238,7 +243,7 @@ class _Step:
     def __init__(
         self,
         grid: ProcessGrid,
-        n: int,
+        n: tuple[int, int],
         t: int,
         travel: Sequence[torch.Tensor],
         bias: torch.Tensor,
@@ -252,14 +257,21 @@ class _Step:
         sends = [(to, x) for x in travel] + [(p, bias[:, :, rows]) for p, rows in serve] + list(extra_sends)
         recvs = [(frm, tuple(x.shape)) for x in travel]
         recvs += [(p, (B, H, rows.stop - rows.start, nJ)) for p, rows in fetch] + list(extra_recvs)
-        self._k, self._nfetch = len(travel), len(fetch)
+        self._k, self._fetch = len(travel), fetch
+        self._block = (B, H, nJ, nJ)  # b[J_c, K_kb]: N / C rows and columns
         self._packed = Packed(sends, recvs, bias.dtype, op)
 
     def wait(self) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
         got = self._packed.wait()
-        k, nf = self._k, self._nfetch
-        block = got[k : k + nf]  # rows of J_c in ascending order
-        return got[:k], (block[0] if nf == 1 else torch.cat(block, dim=2)), got[k + nf :]
+        k, nf = self._k, len(self._fetch)
+        pieces = got[k : k + nf]  # rows of J_c in ascending order
+        if sum(rows.stop - rows.start for _, rows in self._fetch) == self._block[2]:
+            block = pieces[0] if nf == 1 else torch.cat(pieces, dim=2)
+        else:  # rows of J_c beyond the pair's Nr rows: padding, zero bias
+            block = got[0].new_zeros(self._block)
+            for (_, rows), piece in zip(self._fetch, pieces):
+                block[:, :, rows] = piece
+        return got[:k], block, got[k + nf :]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -275,7 +287,7 @@ class _RingAttention(torch.autograd.Function):
         bias: torch.Tensor,
         mb: torch.Tensor,
         grid: ProcessGrid,
-        n: int,
+        n: tuple[int, int],
     ) -> torch.Tensor:
         ct = compute_dtype(q.dtype)
         ctx.in_dtypes = (q.dtype, k.dtype, v.dtype, bias.dtype)
@@ -356,8 +368,8 @@ def ring_attend(
     ``q, k, v[B, I, H, J, d]`` (q scaled), ``bias[B, H, I, J]`` (this rank's tile of the
     triangle bias), ``mb[B, I, J]`` (the mask bias of this tile's keys, no gradient) ->
     ``o[B, I, H, J, d]`` in ``promote_types(dtype, float32)``."""
-    n = q.shape[1] * grid.rows
-    if q.shape[3] * grid.cols != n:
+    n = (q.shape[1] * grid.rows, q.shape[3] * grid.cols)  # the pair's (Nr, Nc)
+    if grid.rows == grid.cols and n[0] != n[1]:
         raise ValueError(
             f"tile {tuple(q.shape)} does not tile an N x N pair on a {grid.rows}x{grid.cols} grid"
         )
@@ -398,7 +410,7 @@ class CPTriangleAttention(TriangleAttention, TokenwiseTwin):
             return self._tile_forward(z, mask)
         what = type(self).__name__
         check_placements(z, PAIR, f"{what} input z", ndim=4)
-        if z.shape[1] != z.shape[2] or z.shape[-1] != self.c_in:
+        if z.shape[-1] != self.c_in:
             raise ValueError(f"expected a pair tensor [B, N, N, {self.c_in}], got {tuple(z.shape)}")
         grid = pair_grid(z)
         local_shape = z.to_local().shape[:3]
@@ -411,7 +423,7 @@ class CPTriangleAttention(TriangleAttention, TokenwiseTwin):
         if keep is not None:  # padding never counts, whatever the mask says
             mask_local = mask_local * keep.to(mask_local.dtype).expand(local_shape)
         key_real = None
-        if layout is not None and layout.n_tokens < layout.n_padded:
+        if layout is not None and layout.n_tokens < layout.padded[1]:
             c, nJ = grid.coords[1], local_shape[2]
             key_real = torch.arange(c * nJ, (c + 1) * nJ, device=mask_local.device) < layout.n_tokens
         out = self.tile_forward(z, _TileArgs(mask_local, key_real, grid))
