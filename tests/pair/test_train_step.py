@@ -144,7 +144,9 @@ def _compare(ranks, serial, what, grid):
         assert_parity(ranks[0][1][0][k], g, what=f"{what} param grad {k} step 0", grid=grid)
 
 
-@pytest.mark.parametrize("grid,n", [((2, 2), 7), ((3, 3), 7)], ids=["2x2-N7", "3x3-N7"])
+@pytest.mark.parametrize(
+    "grid,n", [((2, 2), 7), ((3, 3), 7), ((2, 3), 7)], ids=["2x2-N7", "3x3-N7", "2x3-N7"]
+)  # 2x3: z padded to 8 x 9 (the distogram's z + z^T across unequal token axes)
 def test_train_step_matches_serial(grid, n):
     ranks = run_on_grid(_rank_train, grid, n, 2)
     _compare(ranks, _serial_run(n, 2), f"train-step N={n}", grid_id(grid))

@@ -173,7 +173,8 @@ def _reduction(name: str, n: int, s: int) -> int:
 
 # (grid, N, S): padding on every grid (13 -> 14 on 2x2, 18 on 2x3; 7 -> 9 on 3x3; S 5 -> 6,
 # 6, 7 -> 9), one-token blocks on 2x3 and 3x3, and no rank holding padding only.
-GRIDS = [((2, 2), 13, 5), ((2, 3), 13, 5), ((3, 3), 7, 7)]
+# padding on each grid; 2x3 and 3x2 pad the two token axes differently (14 x 15, 15 x 14)
+GRIDS = [((2, 2), 13, 5), ((2, 3), 13, 5), ((3, 2), 13, 5), ((3, 3), 7, 7)]
 
 
 def _check_all(grid, names, n, s, dtype_name, ranks, what=""):
