@@ -300,6 +300,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/pair/test_outer_product.py",),
     ),
     M(
+        "zero_padding_adjoint_unmasked",
+        "wrong adjoint",
+        "pair/features.py",
+        "if bool(g.masked_select(~keep).any()):  # NaN counts as non-zero",
+        "if False:",
+        ("tests/pair/test_features.py",),
+    ),
+    M(
         "summa_segment_edge",
         "off-by-one block",
         "pair/layers/contraction.py",

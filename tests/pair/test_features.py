@@ -23,7 +23,7 @@ from twinshard.pair.features import (
     with_layout,
 )
 from twinshard.runtime import RankFailure
-from twinshard.tensors.dtensor import MSA, PAIR, SAMPLE, SINGLE, local_block
+from twinshard.tensors.dtensor import MSA, PAIR, SAMPLE, SINGLE, from_local, local_block
 from twinshard.testing import assert_parity, grid_id, random_grad_output, run_on_grid
 from twinshard.testing.checks import assert_shards_cover
 
@@ -261,3 +261,35 @@ def test_negative_control_gradient_summed_over_replicated_axis():
     results = run_on_grid(_rank_partial_grads, (2, 3), 13, "world_sum")
     with pytest.raises(AssertionError, match=r"parity of collect_grad of s \(rank 0\) on grid 2x3 fails"):
         _check_partial_grads((2, 3), 13, results)
+
+
+def _rank_zero_padding_adjoint(grid, n):
+    """with_layout's zeroing: its adjoint masks a gradient that is non-zero on the padding, and
+    passes one that is zero there on as it is (no copy: the hook sees the caller's tensor)."""
+    lay = PairLayout.for_sizes(n, grid)
+    shape = (1, lay.padded[0] // grid.rows, lay.padded[1] // grid.cols, 2)
+    gen = torch.Generator().manual_seed(7 + grid.rank)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = with_layout(from_local(x, grid, PAIR), lay, "pair")
+    keep = padding_keep(y, lay, "pair")
+    if keep is None:  # a tile without padding: nothing to mask
+        return None
+    keep = keep.unsqueeze(-1)
+    junk = torch.randn(shape, generator=gen, dtype=torch.float64)  # non-zero on the padding too
+    clean = junk * keep  # zero on the padding
+    seen = []
+    x.register_hook(lambda g: seen.append(g))
+    y.to_local().backward(junk, retain_graph=True)
+    masked = torch.equal(x.grad, junk * keep) and bool(junk[~keep.expand(shape)].ne(0).all())
+    x.grad = None
+    y.to_local().backward(clean)
+    return masked, seen[-1].data_ptr() == clean.data_ptr() and torch.equal(x.grad, clean)
+
+
+def test_zero_padding_adjoint_masks_only_when_needed():
+    # 2x3, N = 7: z is 8 x 9; the tiles of grid row 1 and of grid column 2 hold padding
+    ranks = run_on_grid(_rank_zero_padding_adjoint, (2, 3), 7)
+    assert [r is None for r in ranks] == [True, True, False, False, False, False]
+    for rank, (masked, passed) in enumerate(ranks[2:], start=2):
+        assert masked, f"rank {rank}: a gradient non-zero on the padding reached x unmasked"
+        assert passed, f"rank {rank}: a gradient zero on the padding was copied or changed"
