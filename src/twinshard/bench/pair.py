@@ -431,8 +431,8 @@ def _summarise(
     out["peak_ratio_vs_serial_over_p"] = (
         max(peaks) / (r0["serial_peak"] / P) if peaks and r0["serial_peak"] else None
     )
-    # what padding alone adds to every pair-sized tensor ((Np / N)^2; Np a multiple of
-    # lcm(rows, cols)): a floor under both ratios above that no schedule can remove
+    # what padding alone adds to every pair-sized tensor (Nr Nc / N^2): a floor under both
+    # ratios above that no schedule (and no 2-D block tiling) can remove
     nr, nc = r0["padded_tokens"]
     out["pair_padding_factor"] = nr * nc / tokens**2
     out["comm_backward_ratio_vs_lower_bound"] = max(r["comm_bwd"] for r in ranks) / lower if P > 1 else 0.0

@@ -34,9 +34,8 @@ Memory saved for backward per rank: what the serial module saves, for one tile
 memory: one output tile, plus on square grids the skewed ``a`` and ``b`` tiles and one channel
 chunk of each in flight; on rectangular grids one SUMMA segment's pieces in use, the next in
 flight and the copies sent, each at most one output tile. Measured peak per rank (N=24,
-c=h=8, fp64, ``twinshard bench pair``): 1.06 x serial / P on 2x2, 1.07 on 3x3, 1.00 on 2x3,
-1.09 on 3x2 with N=23 padded to 24 (the padding alone: 1.09); c=h=32 on 2x3: 1.04 at N=100,
-1.22 at N=49 (padding 1.04, 1.21).
+c=h=8, fp64, ``twinshard bench pair``): 1.06 x serial / P on 2x2, 1.07 on 3x3, 1.00 on 2x3;
+c=h=32 on 2x3: 1.03 at N=100, 1.08 at N=49, 1.16 at N=25 (padding 1.02, 1.06, 1.12).
 """
 
 from __future__ import annotations
