@@ -302,7 +302,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "zero_padding_adjoint_unmasked",
         "wrong adjoint",
-        "pair/features.py",
+        "pair/layout.py",
         "if bool(g.masked_select(~keep).any()):  # NaN counts as non-zero",
         "if False:",
         ("tests/pair/test_features.py",),
