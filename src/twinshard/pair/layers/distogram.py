@@ -9,10 +9,10 @@ written by hand so that nothing of the [N, N, bins] logits is kept.
 
 :class:`DistogramLossFunction` -- ``apply(z, weight, bias, target, pair_weight, grid)``:
 
-Placements. In: ``z`` the local tile ``[B, Np/R, Np/C, c_z]`` of a pair DTensor at
+Placements. In: ``z`` the local tile ``[B, Nr/R, Nc/C, c_z]`` of a pair DTensor at
 ``(Shard(1), Shard(2))``; ``weight [bins, c_z]`` and ``bias [bins]`` replicated (the
-head's parameters); ``target`` the local tile ``[B, Np/R, Np/C, bins]`` of the pair-placed bin
-counts (conformers already summed); ``pair_weight`` the local tile ``[B, Np/R, Np/C]`` of
+head's parameters); ``target`` the local tile ``[B, Nr/R, Nc/C, bins]`` of the pair-placed bin
+counts (conformers already summed); ``pair_weight`` the local tile ``[B, Nr/R, Nc/C]`` of
 ``m_ij`` (zero on padding, on the diagonal and on masked tokens; no gradient). Out:
 ``per_sample [B]``, replicated: identical on every rank.
 
@@ -26,9 +26,9 @@ nothing is counted twice). The returned gradients of ``weight`` and ``bias`` are
 identical on every rank; the gradient of ``z`` is this rank's tile, complete (``z`` is not
 replicated).
 
-Memory saved for backward per rank: ``z + z^T`` on the tile, ``[B, Np/R, Np/C, c_z]`` (serial
+Memory saved for backward per rank: ``z + z^T`` on the tile, ``[B, Nr/R, Nc/C, c_z]`` (serial
 / P), the per-sample mask sums ``[B]`` and references to the caller's ``target`` and
-``pair_weight`` tiles (inputs, not copies). The logits ``[B, Np/R, Np/C, bins]`` and their
+``pair_weight`` tiles (inputs, not copies). The logits ``[B, Nr/R, Nc/C, bins]`` and their
 softmax are recomputed in backward (one local matmul), never saved: the serial autograd keeps
 the symmetrised pair, the logits and the log-softmax, so the Function saves less than
 serial / P.
@@ -36,7 +36,7 @@ serial / P.
 :class:`CPDistogramHead` -- the serial ``DistogramHead``'s parameter (``distogram.weight``,
 ``distogram.bias``); ``loss(z, target, mask=None) -> (loss, per_sample)`` on DTensors, with the
 token mask single-placed (default: the layout's real tokens); ``forward(z)`` gives the logits
-DTensor ``[B, Np, Np, 1, bins]`` (pair placement) for inspection.
+DTensor ``[B, Nr, Nc, 1, bins]`` (pair placement) for inspection.
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ class CPDistogramHead(DistogramHead):
     def loss(
         self, z: DTensor, target: DTensor, mask: DTensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(loss, per_sample[B])``, replicated on every rank. ``z`` pair ``[B, Np, Np, c_z]``,
-        ``target`` pair ``[B, Np, Np, (K,) bins]`` (bin counts), ``mask`` single ``[B, Np]``."""
+        """``(loss, per_sample[B])``, replicated on every rank. ``z`` pair ``[B, Nr, Nc, c_z]``,
+        ``target`` pair ``[B, Nr, Nc, (K,) bins]`` (bin counts), ``mask`` single ``[B, Nr]``."""
         what = type(self).__name__
         check_placements(z, PAIR, f"{what} input z", ndim=4)
         check_placements(target, PAIR, f"{what} target")
@@ -169,7 +169,7 @@ class CPDistogramHead(DistogramHead):
         return per_sample.mean(), per_sample
 
     def forward(self, z: DTensor) -> DTensor:
-        """Logits ``[B, Np, Np, num_distograms, num_bins]`` at the pair placement."""
+        """Logits ``[B, Nr, Nc, num_distograms, num_bins]`` at the pair placement."""
         check_placements(z, PAIR, f"{type(self).__name__} input z", ndim=4)
         grid = pair_grid(z)
         w, b = replicated_params([self.distogram.weight, self.distogram.bias], z)

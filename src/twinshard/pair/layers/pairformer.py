@@ -8,9 +8,10 @@ the same order of updates on a rows x cols grid::
     s' <- LayerNorm(s); s <- s + AttentionPairBias(s', z, mask, k_in=s'); s <- s + Transition(s)
     s <- s_post_norm(s)
 
-Placements. In and out: single ``s[B, Np, c_s]`` at ``(Shard(1), Replicate())``, pair ``z[B, Np,
-Np, c_z]`` at ``(Shard(1), Shard(2))``; optional token ``mask[B, Np]`` (single) and
-``pair_mask[B, Np, Np]`` (pair). With both masks None the padding is masked from the layout the
+Placements. In and out: single ``s[B, Nr, c_s]`` at ``(Shard(1), Replicate())``, pair ``z[B, Nr,
+Nc, c_z]`` at ``(Shard(1), Shard(2))`` (N padded along each axis for its grid axis, see
+``twinshard.tensors.dtensor``); optional token ``mask[B, Nr]`` (single) and ``pair_mask[B, Nr,
+Nc]`` (pair). With both masks None the padding is masked from the layout the
 tensors carry (``twinshard.pair.features``); a token mask without a pair mask raises (every
 rank alike: ``distribute`` builds the pair mask, and the plain-tensor boundary
 ``twinshard.pair.layers.boundary`` builds it from the token mask as serial does). Residual sums
