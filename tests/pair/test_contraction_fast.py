@@ -102,3 +102,25 @@ def test_bf16_wire_halves_bytes_and_rounds_once():
         n = 16  # the contraction length: the N tokens of _wire
         assert_parity(o32, ref, what="bf16-wire trimul, fp32 run: output", grid="2x2", reduction=n)
         assert_parity(ga16, ga, what="bf16-wire trimul: fp32 gradient of a", grid="2x2", reduction=n)
+
+
+def _mismatched(grid, k_gap: int):
+    """``grid_matmul`` of X [6, 6 + k_gap] (k along columns) by Y [6, 6] (k along rows)."""
+    from twinshard.pair.layers.contraction import Tiled, grid_matmul
+
+    R, C = grid.shape
+    x = torch.zeros(1, 6 // R, (6 + k_gap) // C, 1, dtype=torch.float64)
+    y = torch.zeros(1, 6 // R, 6 // C, 1, dtype=torch.float64)
+    try:
+        grid_matmul(grid, Tiled(x, 6, 6 + k_gap), False, Tiled(y, 6, 6), False, "bmkd,bknd->bmnd", "t")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("grid_shape,gap", [((2, 2), 2), ((1, 3), 3)], ids=["2x2-gap2", "1x3-gap3"])
+def test_contraction_extents_beyond_the_padding_raise(grid_shape, gap):
+    """k's two extents may differ by per-axis padding only (< max(rows, cols), 0 on a square
+    grid): a larger gap is a caller's error and raises on every rank, never truncates k."""
+    msgs = run_on_grid(_mismatched, grid_shape, gap)
+    assert all(m is not None and "by more than the per-axis padding" in m for m in msgs), msgs

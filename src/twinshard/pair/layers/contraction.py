@@ -139,19 +139,20 @@ def grid_matmul(
     n = y.rows if ty else y.cols
     if ct is None:
         ct = torch.promote_types(torch.promote_types(x.tile.dtype, y.tile.dtype), torch.float32)
-    natural = out is None or tuple(out) == (m, n)
-    if grid.rows == grid.cols and (kx != ky or not natural):
+    zm, zn = (m, n) if out is None else out
+    # Extents of one token index may differ by their padding only: less than a grid side on a
+    # rectangular grid, not at all on a square one. More is a caller's error, never truncated.
+    slack = 0 if grid.rows == grid.cols else max(grid.rows, grid.cols) - 1
+    if max(abs(kx - ky), abs(zm - m), abs(zn - n)) > slack:
         raise ValueError(
-            f"contraction sizes differ ({m} x {kx} times {ky} x {n} into {out}): on a square grid "
-            "both token axes are padded alike (twinshard.tensors.dtensor.padded_tokens)"
+            f"contraction sizes differ ({m} x {kx} times {ky} x {n} into {zm} x {zn}) by more than "
+            f"the per-axis padding of a {grid.rows}x{grid.cols} grid (twinshard.tensors.dtensor)"
         )
     if grid.size == 1:
         return _product(kernel, equation, _orient(x.tile, tx), _orient(y.tile, ty), None, ct)
     if grid.rows == grid.cols:
         return _cannon(grid, x, tx, y, ty, equation, tag, kernel, ct)
-    if out is not None:
-        m, n = out
-    return _summa(grid, x, tx, y, ty, equation, tag, m, min(kx, ky), n, kernel, ct)
+    return _summa(grid, x, tx, y, ty, equation, tag, zm, min(kx, ky), zn, kernel, ct)
 
 
 def _cannon(
