@@ -285,3 +285,18 @@ def test_plain_residual_without_layout_raises_on_every_rank():
         run_on_grid(_rank_residual, (2, 2), 13, "plain")
     assert sorted(info.value.failures) == [0, 1, 2, 3]
     assert "with_layout(z + y, z)" in str(info.value)
+
+
+def _rank_unsquare_without_layout(grid, n):
+    """z padded per grid axis (not square), its layout and its mask's dropped by plain ops."""
+    stack = _stack(cp=True)
+    d = distribute({"z": synthetic(1, n, n, C, seed=3)}, grid)
+    stack.tri_out(d["z"] + 0, mask=d["pair_mask"] * 1)
+
+
+def test_unsquare_pair_without_layout_raises_on_every_rank():
+    """On 2x3, N = 7 pads z to 8 x 9: with neither z nor its mask carrying the layout, a mixing
+    twin cannot know which rows and columns are padding, and raises on every rank."""
+    with pytest.raises(RankFailure, match=r"is not square; token axes padded apart") as info:
+        run_on_grid(_rank_unsquare_without_layout, (2, 3), 7)
+    assert sorted(info.value.failures) == [0, 1, 2, 3, 4, 5]
