@@ -60,7 +60,7 @@ from twinshard.comm import primitives as P
 from twinshard.pair.features import layout_of, with_layout
 from twinshard.pair.layers.tokenwise import replicated_params
 from twinshard.pair.layers.triangle import pair_grid
-from twinshard.pair.layers.triangle_attention import Packed
+from twinshard.pair.layers.triangle_attention import Packed, assemble_rows
 from twinshard.pair.reference.attention import AttentionPairBias
 from twinshard.pair.reference.norm import compute_dtype
 from twinshard.runtime.grid import ProcessGrid
@@ -105,12 +105,7 @@ def _move_rows(x: torch.Tensor, moves: Moves, op: str) -> torch.Tensor:
         x.dtype,
         op,
     ).wait()
-    if sum(rows.stop - rows.start for _, rows in recvs) == length:
-        return got[0] if len(got) == 1 else torch.cat(got, dim=1)
-    out = x.new_zeros((x.shape[0], length) + rest)
-    for (_, rows), piece in zip(recvs, got):
-        out[:, rows] = piece
-    return out
+    return assemble_rows(x, got, [rows for _, rows in recvs], (x.shape[0], length) + rest, 1)
 
 
 class _MoveRows(torch.autograd.Function):

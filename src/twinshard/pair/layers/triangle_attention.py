@@ -91,6 +91,24 @@ def _inter(a: Range, b: Range) -> Range | None:
     return (lo, hi) if lo < hi else None
 
 
+def assemble_rows(
+    like: torch.Tensor,
+    pieces: Sequence[torch.Tensor],
+    rows: Sequence[slice],
+    shape: tuple[int, ...],
+    dim: int,
+) -> torch.Tensor:
+    """A block of ``shape`` from ``pieces`` at ascending slices ``rows`` along ``dim``: the piece
+    itself or their concatenation when they cover the block, else zeros with the pieces written
+    in (rows no piece covers lie beyond the other token axis's extent: padding)."""
+    if sum(r.stop - r.start for r in rows) == shape[dim]:
+        return pieces[0] if len(pieces) == 1 else torch.cat(list(pieces), dim=dim)
+    out = like.new_zeros(shape)
+    for r, piece in zip(rows, pieces):
+        out[(slice(None),) * dim + (r,)] = piece
+    return out
+
+
 class Packed:
     """Point-to-point pieces, several per peer, packed into one message per peer and direction.
 
@@ -264,13 +282,8 @@ class _Step:
     def wait(self) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
         got = self._packed.wait()
         k, nf = self._k, len(self._fetch)
-        pieces = got[k : k + nf]  # rows of J_c in ascending order
-        if sum(rows.stop - rows.start for _, rows in self._fetch) == self._block[2]:
-            block = pieces[0] if nf == 1 else torch.cat(pieces, dim=2)
-        else:  # rows of J_c beyond the pair's Nr rows: padding, zero bias
-            block = got[0].new_zeros(self._block)
-            for (_, rows), piece in zip(self._fetch, pieces):
-                block[:, :, rows] = piece
+        rows = [r for _, r in self._fetch]  # of J_c, ascending; beyond Nr: zero bias
+        block = assemble_rows(got[0], got[k : k + nf], rows, self._block, 2)
         return got[:k], block, got[k + nf :]
 
 
