@@ -395,6 +395,31 @@ MUTATIONS: list[Mutation] = [
         "own = t[:n] + 0 * halo_reverse(t[n:], plan)",
         ("tests/tensors/test_custom_ops.py",),
     ),
+    # -- atoms: the radius graph a plain (third-party) model sees
+    M(
+        "skin_edge_to_model",
+        "wrong graph",
+        "atoms/neighbors.py",
+        "return ~ok | (d < float(cutoff))",
+        "return ~ok | (d < float(cutoff) + 0.5)",
+        ("tests/atoms/test_mace_oracle.py",),
+    ),
+    M(
+        "radius_graph_stale_halo",
+        "stale halo",
+        "atoms/plain_inputs.py",
+        'plan.forward_copy(x.detach(), op="halo_radius")',
+        "x.new_zeros(nh, 3)",
+        ("tests/atoms/test_mace_oracle.py",),
+    ),
+    M(
+        "radius_graph_cache_ignores_crossings",
+        "stale cache",
+        "atoms/neighbors.py",
+        "and torch.equal(last[4], keep)",
+        "and last[4].shape == keep.shape",
+        ("tests/atoms/test_mace_oracle.py",),
+    ),
     # -- atoms: LJ kernels, graph-parallel storage
     M(
         "lj_kernel_j_force_dropped",

@@ -109,17 +109,15 @@ def _langevin_row_keys(mp: pytest.MonkeyPatch) -> None:
 def _block_inputs_drops_wrap_shift(mp: pytest.MonkeyPatch) -> None:
     """The dispatch inputs forget the block neighbour list's own lattice shift (wrap axes): edge
     shifts from the rows' frames only, as when every image was a halo row."""
-    from twinshard.atoms import plain_inputs
+    from twinshard.atoms.sharded import ShardedSystem
 
-    orig = plain_inputs.block_inputs
+    orig = ShardedSystem.edge_shifts
 
-    def block_inputs(sharded, positions=None):  # noqa: ANN001, ANN202
-        data = orig(sharded, positions)
-        e, cell = sharded.edges, data["cell"][0]
-        data["shifts"] = data["shifts"] - e.cell_shifts.to(cell.dtype) @ cell
-        return data
+    def edge_shifts(self, dtype, device):  # noqa: ANN001, ANN202
+        cell = self.cell.to(device, dtype)
+        return orig(self, dtype, device) - self.edges.cell_shifts.to(device, dtype) @ cell
 
-    mp.setattr(plain_inputs, "block_inputs", block_inputs)
+    mp.setattr(ShardedSystem, "edge_shifts", edge_shifts)
 
 
 PLANTS = {

@@ -67,7 +67,7 @@ from twinshard.atoms.graph_batch import (
     fingerprint,
     split_systems,
 )
-from twinshard.atoms.neighbors import neighbor_list
+from twinshard.atoms.neighbors import RadiusGraph, neighbor_list
 from twinshard.atoms.plain_inputs import _call, system_values
 from twinshard.atoms.sharded import _a2a
 from twinshard.atoms.system import System
@@ -140,6 +140,7 @@ class GraphSharded:
         self.senders = self.receivers = torch.zeros(0, dtype=torch.int64)
         self.shifts = torch.zeros(0, 3, dtype=torch.float64)
         self._ref = torch.zeros(0, 3, dtype=torch.float64)
+        self.radius_graph = RadiusGraph()  # the model's edges: r < cutoff (graph_inputs)
 
     # ------------------------------------------------------------- scatter
     @classmethod
@@ -384,20 +385,31 @@ class GraphSharded:
 
 
 # ----------------------------------------------------------------------------- evaluation
-def graph_inputs(g: GraphSharded, positions: torch.Tensor | None = None) -> dict[str, Any]:
+def graph_inputs(
+    g: GraphSharded, positions: torch.Tensor | None = None, cutoff: float | None = None
+) -> dict[str, Any]:
     """The plain-contract input dict of this rank (no communication): ``positions``, ``numbers``,
     ``batch`` as ``OwnedFirst`` ShardTensors (``positions`` differentiable in the owned rows
     ``positions``, default ``g.positions``), per-edge ``senders``, ``receivers``, ``shifts``
     (rank-relative ids, cartesian shifts), the replicated ``cell [S, 3, 3]`` and the systems'
-    replicated ``charge`` / ``spin`` ``[S]`` when their infos hold them (``SYSTEM_VALUES``)."""
+    replicated ``charge`` / ``spin`` ``[S]`` when their infos hold them (``SYSTEM_VALUES``).
+
+    The edges are the radius graph ``r < cutoff`` (default ``g.cutoff``) at the replicated
+    positions ``g.all_positions`` (current after :meth:`GraphSharded.update`): the Verlet list
+    (``cutoff + skin``) minus its skin edges, as the model's own neighbour list would give it."""
     x = g.positions if positions is None else positions
     spec = g.spec()
+    # rank-relative ids: id i is global row (i + offsets[rank]) mod N
+    rel = torch.roll(g.all_positions.to(x.dtype), -g.offsets[g.rank], 0)
+    senders, receivers, shifts = g.radius_graph(
+        rel, g.senders, g.receivers, g.shifts.to(x.dtype), float(g.cutoff if cutoff is None else cutoff)
+    )
     return {
         "positions": from_local(x, spec),
         "numbers": ShardTensor.wrap(g.numbers, spec),
-        "senders": g.senders,
-        "receivers": g.receivers,
-        "shifts": g.shifts.to(x.dtype),
+        "senders": senders,
+        "receivers": receivers,
+        "shifts": shifts,
         "batch": ShardTensor.wrap(g.batch, spec),
         "cell": g.cells.to(x.device, x.dtype),
         **system_values(g.infos, x),
@@ -424,7 +436,7 @@ def graph_energies(dp: Any, g: GraphSharded, positions: torch.Tensor | None = No
     Placements: in owned rows / replicated parameters; out owned rows. Collectives: the model's
     gathers (all-to-alls) and per-system reduce (all-reduce), their adjoints in backward."""
     _check(dp, g)
-    out = _call(dp, g, graph_inputs(g, positions), compute_forces=False, compute_stress=False)
+    out = _call(dp, g, graph_inputs(g, positions, dp.cutoff), compute_forces=False, compute_stress=False)
     return to_local(out["node_energy"])
 
 
@@ -445,7 +457,12 @@ def graph_compute(
     _check(dp, g)
     x = g.positions.detach().requires_grad_(True)
     out = _call(
-        dp, g, graph_inputs(g, x), compute_forces=True, compute_stress=compute_stress, training=create_graph
+        dp,
+        g,
+        graph_inputs(g, x, dp.cutoff),
+        compute_forces=True,
+        compute_stress=compute_stress,
+        training=create_graph,
     )
     energy = to_local(out["energy"])
     per_atom, forces = to_local(out["node_energy"]), to_local(out["forces"])

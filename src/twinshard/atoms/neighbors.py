@@ -14,7 +14,9 @@ positions as given, so unwrapped MD coordinates stay valid.
 :class:`VerletList` adds a skin: the list is built with ``cutoff + skin`` and
 reused until some atom moved more than ``skin / 2`` since the build (the pair
 distance then changed by less than ``skin``, so no pair within ``cutoff`` can
-be missing). Potentials must therefore ignore edges longer than their cutoff.
+be missing). A Graph-contract potential ignores edges longer than its cutoff itself;
+a plain (third-party) model gets the radius graph its own code would build,
+``r < cutoff`` exactly (:class:`RadiusGraph` drops the skin edges before the call).
 
 A *half* list (``half=True``) holds each pair once, as the edge ``i -> j`` with
 ``(i, cell_shift)`` canonical: ``i < j``, or ``i == j`` (an atom and its own
@@ -26,11 +28,12 @@ can evaluate each pair once and apply the force to both atoms.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Edges", "neighbor_list", "half_of", "lex_positive", "VerletList"]
+__all__ = ["Edges", "RadiusGraph", "neighbor_list", "half_of", "lex_positive", "VerletList", "within_cutoff"]
 
 
 @dataclass
@@ -212,3 +215,63 @@ class VerletList:
             return self.build(positions, cell, pbc, half), True
         assert self.edges is not None
         return self.edges, False
+
+
+def within_cutoff(
+    positions: torch.Tensor,
+    senders: torch.Tensor,
+    receivers: torch.Tensor,
+    shifts: torch.Tensor,
+    cutoff: float,
+) -> torch.Tensor:
+    """``[E]`` bool: the edges with ``|r_ij| < cutoff`` at these positions (``r_ij =
+    positions[j] + shifts - positions[i]``; the norm as MACE takes it, so an edge is kept exactly
+    when the model's own neighbour list, ``d < cutoff``, would hold it). No gradient.
+
+    An edge naming a row outside ``[0, n)`` (the dispatch's ``PAD``, or a corrupt id) is kept:
+    it is the model's inputs' business, and the dispatch raises on every rank for it, where an
+    index error here would raise on one rank only."""
+    n = positions.shape[0]
+    with torch.no_grad():
+        ok = (senders >= 0) & (senders < n) & (receivers >= 0) & (receivers < n)
+        x = positions.detach()
+        s, r = torch.where(ok, senders, 0), torch.where(ok, receivers, 0)
+        d = torch.linalg.vector_norm(x[s] + shifts.detach() - x[r], dim=-1)
+        return ~ok | (d < float(cutoff))
+
+
+class RadiusGraph:
+    """The radius graph ``r < cutoff`` of a Verlet list (built with ``cutoff + skin``): what a plain
+    model sees, so the skin only decides when lists are rebuilt, never which edges enter the model.
+
+    ``__call__(positions, senders, receivers, shifts, cutoff) -> (senders, receivers, shifts)``
+    returns the kept edges. While the list and the kept set are unchanged it returns the very
+    same tensors as last time, so anything keyed on their identity (the dispatch's routing of a
+    sharded gather, reused while every rank's index is the same tensor) is reused; the set
+    changes only when a pair crosses the cutoff. Per-call cost: one edge-length pass."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, ...] | None = None
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        senders: torch.Tensor,
+        receivers: torch.Tensor,
+        shifts: torch.Tensor,
+        cutoff: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        keep = within_cutoff(positions, senders, receivers, shifts, cutoff)
+        last = self._last
+        if (
+            last is not None
+            and last[0] is senders
+            and last[1] is receivers
+            and last[2] is shifts
+            and last[2]._version == last[3]
+            and torch.equal(last[4], keep)
+        ):
+            return last[5], last[6], last[7]
+        out = (senders[keep], receivers[keep], shifts[keep])
+        self._last = (senders, receivers, shifts, shifts._version, keep, *out)
+        return out

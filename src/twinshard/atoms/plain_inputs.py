@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from twinshard.atoms.neighbors import Edges, VerletList, neighbor_list
+from twinshard.atoms.neighbors import Edges, RadiusGraph, VerletList, neighbor_list
 from twinshard.atoms.potentials.base import Results
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
@@ -100,17 +100,32 @@ def as_potential(model: Any) -> Any:
     return model
 
 
+def radius_graph(
+    positions: torch.Tensor,
+    senders: torch.Tensor,
+    receivers: torch.Tensor,
+    shifts: torch.Tensor,
+    cutoff: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The edges with ``r < cutoff`` (serial: nothing to keep between calls)."""
+    return RadiusGraph()(positions, senders, receivers, shifts, cutoff)
+
+
 def system_inputs(system: System, cutoff: float, edges: Edges | None = None) -> dict[str, torch.Tensor]:
-    """The serial input dict of a whole system (one system, all atoms)."""
+    """The serial input dict of a whole system (one system, all atoms): the radius graph
+    ``r < cutoff`` (a Verlet list's skin edges dropped, :func:`radius_graph`)."""
     if edges is None:
         edges = neighbor_list(system.positions, cutoff, system.cell, system.pbc)
     x = system.positions
+    senders, receivers, shifts = radius_graph(
+        x, edges.senders, edges.receivers, edges.shifts.to(x.dtype), cutoff
+    )
     return {
         "positions": x,
         "numbers": system.numbers,
-        "senders": edges.senders,
-        "receivers": edges.receivers,
-        "shifts": edges.shifts.to(x.dtype),
+        "senders": senders,
+        "receivers": receivers,
+        "shifts": shifts,
         "batch": torch.zeros(system.n_atoms, dtype=torch.int64, device=x.device),
         "cell": system.cell.to(x.dtype)[None],
         **system_values([system.info], x),
@@ -155,10 +170,19 @@ def evaluate_serial(
 
 
 def block_inputs(
-    sharded: ShardedSystem, positions: torch.Tensor | None = None, wrap: bool | None = None
+    sharded: ShardedSystem,
+    positions: torch.Tensor | None = None,
+    wrap: bool | None = None,
+    cutoff: float | None = None,
 ) -> dict[str, Any]:
-    """This rank's ``[owned | halo]`` block as ShardTensors (no communication here: the halo of
-    ``positions`` is STALE and refreshed by the model's first gather).
+    """This rank's ``[owned | halo]`` block as ShardTensors: the halo of ``positions`` is STALE and
+    refreshed by the model's first gather (differentiable, in the dispatch).
+
+    The edges are the block's radius graph ``r < cutoff`` (default ``sharded.cutoff``) at these
+    positions, as the model's own neighbour list would give it: the Verlet list (``cutoff +
+    skin``) minus its skin edges. That needs the halo rows' current positions: one forward
+    exchange of the owned positions (no autograd, no vote; ``3 x n_halo`` numbers), the only
+    communication here.
 
     A group of one rank with no halo rows (P = 1: every image is an edge shift) gets plain
     tensors: there is nothing to exchange or reduce, so the model runs exactly as serially,
@@ -167,6 +191,7 @@ def block_inputs(
     plan, e = sharded.plan, sharded.edges
     assert plan is not None and e is not None
     x = sharded.positions if positions is None else positions
+    rc = float(sharded.cutoff if cutoff is None else cutoff)
     nh = sharded.n_halo
     numbers = torch.cat([sharded.numbers, sharded.halo_numbers])
     batch = torch.zeros(sharded.n_owned + nh, dtype=torch.int64, device=x.device)
@@ -178,12 +203,17 @@ def block_inputs(
     else:
         pos = x
     cell = sharded.cell.to(x.device, x.dtype)
+    # halo rows are plain copies of their owners' rows; the edge shifts carry every image
+    block = torch.cat([x.detach(), plan.forward_copy(x.detach(), op="halo_radius")]) if nh else x
+    senders, receivers, shifts = sharded.radius_graph(
+        block, e.senders, e.receivers, sharded.edge_shifts(x.dtype, x.device), rc
+    )
     return {
         "positions": pos,
         "numbers": numbers,
-        "senders": e.senders,
-        "receivers": e.receivers,
-        "shifts": sharded.edge_shifts(x.dtype, x.device),
+        "senders": senders,
+        "receivers": receivers,
+        "shifts": shifts,
         "batch": batch,
         "cell": cell[None],
         **system_values([sharded.info], x),
@@ -203,7 +233,7 @@ def _owned(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def dispatch_energies(dp: Any, sharded: ShardedSystem, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Collective: owned per-atom energies ``[n_owned]`` of a plain model (differentiable)."""
-    data = block_inputs(sharded, positions)
+    data = block_inputs(sharded, positions, cutoff=dp.cutoff)
     out = _call(dp, sharded, data, compute_forces=False, compute_stress=False)
     return _owned(out["node_energy"], sharded.n_owned)
 
@@ -212,7 +242,7 @@ def dispatch_compute(dp: Any, sharded: ShardedSystem, compute_stress: bool, crea
     """Collective: (energy, per_atom, forces, virial, stress) of a plain model computing its own
     forces and stress; energy, virial and stress come back replicated from the dispatch."""
     x = sharded.positions.detach().requires_grad_(True)
-    data = block_inputs(sharded, x)
+    data = block_inputs(sharded, x, cutoff=dp.cutoff)
     out = _call(dp, sharded, data, compute_forces=True, compute_stress=compute_stress, training=create_graph)
     n = sharded.n_owned
     energy = to_local(out["energy"]).sum()

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from twinshard.atoms.halo import HaloPlan
-from twinshard.atoms.neighbors import Edges, lex_positive, neighbor_list
+from twinshard.atoms.neighbors import Edges, RadiusGraph, lex_positive, neighbor_list
 from twinshard.atoms.partition import BlockPartition, SpatialPartition
 from twinshard.atoms.potentials.base import Graph
 from twinshard.atoms.system import System
@@ -126,6 +126,7 @@ class ShardedSystem:
         self._block: torch.Tensor | None = None
         self._shifts: tuple[Any, ...] | None = None  # edge_shifts' cache: (edges, plan, cell, shifts)
         self.neighbor_seconds = 0.0
+        self.radius_graph = RadiusGraph()  # a plain model's edges: r < cutoff (plain_inputs.block_inputs)
         self.halo_numbers = torch.zeros(0, dtype=torch.int64)
         self._ref: torch.Tensor | None = None
         self._schema: list[tuple[str, torch.dtype, tuple[int, ...]]] = []

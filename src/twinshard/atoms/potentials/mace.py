@@ -83,13 +83,17 @@ def build_mace(
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
     scale_shift: tuple[float, float] | None = None,
+    interaction: str = "RealAgnosticResidualInteractionBlock",
+    pair_repulsion: bool = False,
 ) -> nn.Module:
     """A small ``mace.modules.MACE`` with random weights (offline; the embedded default).
 
     Residual interaction blocks (the mace-torch default), ``hidden_irreps`` with ``1o`` features,
     a non-linear readout, per-species E0s drawn from ``seed``; every weight drawn from ``seed``.
     ``scale_shift=(scale, shift)`` builds mace's ``ScaleShiftMACE`` instead (the class of real
-    saved models such as MACE-MP: ``atomic_inter_scale`` / ``atomic_inter_shift``)."""
+    saved models such as MACE-MP: ``atomic_inter_scale`` / ``atomic_inter_shift``).
+    ``interaction``: any of mace's ``interaction_classes`` (for every layer);
+    ``pair_repulsion``: mace's ZBL pair term (the MACE-MP recipe)."""
     _require()
     import numpy as np
     from e3nn import o3
@@ -98,7 +102,11 @@ def build_mace(
     species = sorted(int(z) for z in species)
     gen = torch.Generator().manual_seed(int(seed))
     e0 = (-1.0 - torch.rand(len(species), generator=gen, dtype=torch.float64)).numpy()
-    block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
+    if interaction not in modules.interaction_classes:
+        raise ValueError(
+            f"unknown MACE interaction {interaction!r}; mace offers {sorted(modules.interaction_classes)}"
+        )
+    block = modules.interaction_classes[interaction]
     with _default_dtype(dtype):
         torch.manual_seed(int(seed))
         cls: Any = modules.MACE
@@ -106,6 +114,8 @@ def build_mace(
         if scale_shift is not None:
             cls = modules.ScaleShiftMACE
             extra = {"atomic_inter_scale": float(scale_shift[0]), "atomic_inter_shift": float(scale_shift[1])}
+        if pair_repulsion:
+            extra["pair_repulsion"] = True
         model = cls(
             **extra,
             r_max=float(r_max),
@@ -246,25 +256,48 @@ class MaceAdapter(nn.Module):
         return res
 
 
-def mace_native(model: nn.Module, atoms: Any, compute_stress: bool = True) -> dict[str, torch.Tensor]:
-    """Serial MACE through mace's own pipeline (its neighbour list, ``AtomicData``, batching):
-    ``energy``, ``node_energy``, ``forces``, ``stress`` (fp of the model; the oracle)."""
+def mace_calculator(model: nn.Module) -> Any:
+    """mace-torch's own ASE calculator (``MACECalculator``) on a copy of ``model`` at the model's
+    dtype (so it converts nothing; it freezes its copy's parameters, never the caller's)."""
     _require()
-    from mace import data as mdata
-    from mace.tools import torch_geometric, utils
+    import copy
+    import logging
 
-    z_table = utils.AtomicNumberTable([int(z) for z in model.atomic_numbers.tolist()])
+    from mace.calculators import MACECalculator
+
     dtype = next(model.parameters()).dtype
-    with _default_dtype(dtype):  # mace's data pipeline builds tensors in the default dtype
-        config = mdata.config_from_atoms(atoms)
-        ad = mdata.AtomicData.from_config(config, z_table=z_table, cutoff=float(model.r_max))
-        loader = torch_geometric.dataloader.DataLoader(dataset=[ad], batch_size=1, shuffle=False)
-        batch = next(iter(loader)).to_dict()
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            batch[k] = v.to(dtype)
-    out = model(batch, compute_force=True, compute_stress=compute_stress, compute_virials=compute_stress)
-    res = {k: out[k].detach() for k in ("energy", "node_energy", "forces")}
-    if compute_stress:
-        res["stress"] = out["stress"].detach()[0]
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"mace's calculator runs float32 or float64 models, this one is {dtype}")
+    quiet = logging.getLogger().level
+    logging.getLogger().setLevel(logging.ERROR)  # it logs its set-up at INFO/WARNING
+    try:
+        return MACECalculator(
+            models=copy.deepcopy(model), device=str(next(model.parameters()).device),
+            default_dtype=str(dtype).removeprefix("torch."),
+        )  # fmt: skip
+    finally:
+        logging.getLogger().setLevel(quiet)
+
+
+def mace_native(model: nn.Module, atoms: Any, compute_stress: bool = True) -> dict[str, torch.Tensor]:
+    """Serial MACE through mace-torch's own evaluation path, its ASE calculator
+    (:func:`mace_calculator`: its neighbour list, ``AtomicData``, batching, dtype casts): the
+    oracle. ``energy [1]``, ``node_energy [n]``, ``forces [n, 3]`` and, with ``compute_stress``
+    and a cell with a volume, ``stress [3, 3]`` (ASE's sign), as float64 tensors (what the
+    calculator hands ASE: the model's precision, widened; ``node_energy`` is its ASE ``energies``,
+    E0 included)."""
+    from ase.stress import voigt_6_to_full_3x3_stress
+
+    atoms = atoms.copy()
+    atoms.calc = mace_calculator(model)
+    props = ["energy", "forces"] + (["stress"] if compute_stress and atoms.cell.volume > 0 else [])
+    atoms.calc.calculate(atoms, properties=props)
+    got = atoms.calc.results
+
+    def t(v: Any) -> torch.Tensor:
+        return torch.as_tensor(v, dtype=torch.float64)
+
+    res = {"energy": t([got["energy"]]), "node_energy": t(got["energies"]), "forces": t(got["forces"])}
+    if "stress" in props:
+        res["stress"] = t(voigt_6_to_full_3x3_stress(got["stress"]))
     return res

@@ -1,0 +1,192 @@
+"""MACE models as users build them, checked against mace-torch's own ASE calculator.
+
+The oracle is ``MACECalculator`` (``mace_native``: mace's neighbour list, ``AtomicData``, its
+dtype casts), never twinshard's serial path, so an error shared by twinshard's serial and
+distributed paths cannot hide. Models are built with mace-torch's own classes and random weights
+(offline), saved with ``torch.save`` and loaded in each worker as a user loads them.
+
+- The radius graph: a model sees the edges ``r < r_max`` only. The Verlet list is built with
+  ``r_max + skin`` and kept until an atom moved ``skin / 2``; its skin edges must never reach
+  the model. ``RealAgnosticResidualNonLinearInteractionBlock`` has edge features that are not zero
+  at ``r_max``, so a skin edge changes its energy by percents (checked here, so the test has
+  teeth): serial (a ``VerletList``), halo and graph storage at 1, 2 and 4 ranks, and MD against
+  ASE's own ``VelocityVerlet`` driving mace's calculator.
+- Every interaction block mace-torch offers, at 2 ranks with a skin, equals mace's calculator.
+"""
+
+import ase.md.verlet
+import mace.modules  # noqa: F401 - the mace extra must be installed (CI installs it)
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from ase import units
+
+import twinshard.atoms as ta
+from twinshard.atoms import structures
+from twinshard.atoms.distributed import DistributedPotential
+from twinshard.atoms.graph_storage import GraphSharded
+from twinshard.atoms.neighbors import VerletList, neighbor_list, within_cutoff
+from twinshard.atoms.plain_inputs import evaluate_plain
+from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, load_mace, mace_calculator, mace_native
+from twinshard.atoms.sharded import ShardedSystem
+from twinshard.atoms.system import System
+from twinshard.testing import (
+    assert_parity,
+    assert_replicated,
+    assert_shards_cover,
+    by_id,
+    rows_of,
+    run_on_world,
+)
+
+NONLINEAR = "RealAgnosticResidualNonLinearInteractionBlock"
+BLOCKS = sorted(mace.modules.interaction_classes)
+GRIDS = {1: (1, 1, 1), 2: (2, 1, 1), 4: (2, 2, 1)}
+R_MAX = 4.0
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def make_system() -> System:
+    s = structures.fcc_argon(repeat=2, rattle=0.25, seed=1)  # 32 atoms, 10.5 A box; shells 3.7, 5.3 A
+    numbers = torch.tensor([1, 6, 8, 29])[
+        torch.randperm(s.n_atoms, generator=torch.Generator().manual_seed(3)) % 4
+    ]
+    ids = torch.randperm(s.n_atoms, generator=torch.Generator().manual_seed(7)) + 500
+    return System(positions=s.positions, numbers=numbers, cell=s.cell, pbc=s.pbc, ids=ids)
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mace_blocks")
+    paths = {}
+    for block in BLOCKS:
+        paths[block] = str(root / f"{block}.model")
+        torch.save(build_mace(interaction=block, r_max=R_MAX, seed=4), paths[block])
+    return paths
+
+
+def _model(path: str) -> torch.nn.Module:
+    if path not in _MODELS:  # one load per worker process
+        _MODELS[path] = load_mace(path)
+    return _MODELS[path]
+
+
+def _oracle(path: str) -> dict[str, torch.Tensor]:
+    return mace_native(_model(path), make_system().to_ase())
+
+
+def _rank(path: str, nranks: int, storage: str, skin: float) -> dict:
+    model = _model(path)
+    system = make_system() if dist.get_rank() == 0 else None
+    if storage == "graph":
+        sh = GraphSharded.scatter(system, cutoff=R_MAX, skin=skin)
+    else:
+        sh = ShardedSystem.scatter(system, cutoff=R_MAX, skin=skin, grid=GRIDS[nranks])
+    res = DistributedPotential(MaceAdapter(model), mode="dispatch").compute(sh)
+    return {
+        "ids": sh.ids,
+        "energy": res.energy,
+        "per_atom": res.per_atom,
+        "forces": res.forces,
+        "stress": res.stress,
+    }
+
+
+def _check(res: list[dict], ref: dict, where: str, grid: str) -> None:
+    system = make_system()
+    assert_replicated([r["energy"] for r in res], f"energy {where}")
+    assert_replicated([r["stress"] for r in res], f"stress {where}")
+    if len(res) > 1:
+        pieces = [(r["forces"], rows_of(r["ids"], system.ids)) for r in res]
+        assert_shards_cover(pieces, ref["forces"], f"forces {where}", disjoint=True)
+    assert_parity(res[0]["energy"], ref["energy"][0], grid=grid, what=f"energy {where}")
+    assert_parity(
+        by_id(res, "per_atom", system.ids), ref["node_energy"], grid=grid, what=f"node energy {where}"
+    )
+    assert_parity(by_id(res, "forces", system.ids), ref["forces"], grid=grid, what=f"forces {where}")
+    assert_parity(res[0]["stress"], ref["stress"], grid=grid, what=f"stress {where}")
+
+
+def test_skin_edges_would_change_the_nonlinear_block(model_files):
+    """The test below has teeth: the Verlet list holds edges beyond r_max, and handing them to the
+    non-linear block changes its energy by far more than round-off."""
+    system, path = make_system(), model_files[NONLINEAR]
+    verlet = VerletList(R_MAX, 1.0)
+    edges, _ = verlet.update(system.positions, system.cell, system.pbc)
+    inside = within_cutoff(system.positions, edges.senders, edges.receivers, edges.shifts, R_MAX)
+    assert 0 < int((~inside).sum()) < edges.n_edges, "the skin must hold edges beyond r_max"
+    model = MaceAdapter(_model(path))
+    exact = evaluate_plain(model, system, edges=verlet)  # the radius graph (skin edges dropped)
+    data = {
+        "positions": system.positions.clone().requires_grad_(True),
+        "numbers": system.numbers,
+        "senders": edges.senders,
+        "receivers": edges.receivers,
+        "shifts": edges.shifts,
+        "batch": torch.zeros(system.n_atoms, dtype=torch.int64),
+        "cell": system.cell[None],
+    }
+    skinned = model(data, compute_forces=True)  # the Verlet list as it is: the bug
+    ref = _oracle(path)
+    assert_parity(
+        exact.energy, ref["energy"][0], what="serial VerletList (skin 1.0) vs MACECalculator: energy"
+    )
+    assert_parity(exact.forces, ref["forces"], what="serial VerletList (skin 1.0) vs MACECalculator: forces")
+    assert_parity(exact.stress, ref["stress"], what="serial VerletList (skin 1.0) vs MACECalculator: stress")
+    rel = float((skinned["energy"][0] - ref["energy"][0]).abs() / ref["energy"][0].abs())
+    assert rel > 1e-3, f"a skin edge should change the non-linear block's energy, got {rel:.2e}"
+
+
+@pytest.mark.parametrize("storage", ["halo", "graph"])
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+def test_radius_graph_exact_with_skin(model_files, storage, nranks):
+    """Skin 1.0 (the MD default): the model still sees exactly r < r_max, in both storages."""
+    path = model_files[NONLINEAR]
+    res = run_on_world(_rank, nranks, path, nranks, storage, 1.0)
+    _check(res, _oracle(path), f"MACE non-linear block, {storage} storage, skin 1.0, P={nranks}", str(nranks))
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_every_interaction_block_equals_mace_calculator(model_files, block):
+    path = model_files[block]
+    res = run_on_world(_rank, 2, path, 2, "halo", 0.5)
+    _check(res, _oracle(path), f"MACE {block}, halo storage, skin 0.5, P=2", "2")
+
+
+def test_md_equals_ase_verlet_with_mace_calculator(model_files):
+    """NVE MD at 2 ranks with skin 1.0 (the lists are reused across steps while pairs cross
+    r_max) equals ASE's VelocityVerlet driving mace's own calculator, step by step."""
+    path, steps, dt = model_files[NONLINEAR], 6, 1.0
+    model = _model(path)
+    system = make_system()
+    system.velocities = ta.maxwell_boltzmann(system.masses, system.ids, 600.0, seed=5)
+    out = ta.run_md(system, model, ranks=2, steps=steps, dt=dt, skin=1.0, thermo_every=1)
+    atoms = system.to_ase()  # positions, velocities (ASE units, as twinshard's), masses
+    atoms.calc = mace_calculator(model)
+    energies = [atoms.get_potential_energy()]
+    dyn = ase.md.verlet.VelocityVerlet(atoms, timestep=dt * units.fs)
+    for _ in range(steps):
+        dyn.run(1)
+        energies.append(atoms.get_potential_energy())
+    order = torch.argsort(system.ids)
+    ref_pos = torch.as_tensor(atoms.get_positions())[order]
+    moved = float((ref_pos - system.positions[order]).abs().max())
+    assert moved > 1e-3, f"the atoms must move (max {moved:.2e} A)"
+    # pairs crossed r_max while the Verlet list built at step 0 was reused (no rebuild: the
+    # atoms moved less than skin / 2), so the radius graph was re-cut from it at later steps
+    end = system.clone()
+    end.positions = torch.as_tensor(atoms.get_positions())
+    n_start = neighbor_list(system.positions, R_MAX, system.cell, system.pbc).n_edges
+    n_end = neighbor_list(end.positions, R_MAX, end.cell, end.pbc).n_edges
+    assert n_start != n_end, "no pair crossed r_max during the run: the test cannot see a stale radius graph"
+    assert moved < 0.5, "a rebuild happened: the reused list is not exercised"
+    assert_parity(
+        out.system.positions, ref_pos, grid="2", what="MD positions vs ASE VelocityVerlet + MACECalculator"
+    )
+    assert_parity(
+        torch.tensor(out.thermo.column("potential"), dtype=torch.float64),
+        torch.tensor(np.asarray(energies), dtype=torch.float64),
+        grid="2",
+        what="MD potential energy per step vs ASE VelocityVerlet + MACECalculator",
+    )
