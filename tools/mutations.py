@@ -387,6 +387,24 @@ MUTATIONS: list[Mutation] = [
         "local = False",
         ("tests/tensors/test_dispatch_lazy.py", "tests/atoms/test_mpnn_plain.py"),
     ),
+    # an in-model allocation left plain (mace's ZBL energies, V_ZBL [n_local]): its per-system
+    # sum kept per rank, or its halo rows (junk in the tests) taken for copies of their owners
+    M(
+        "plain_rows_reduce_unreduced",
+        "dropped reduction",
+        "tensors/dispatch.py",
+        "total = partial_to_replicate(flat, index.group)",
+        "total = flat.clone()",
+        ("tests/tensors/test_dispatch_plain_rows.py", "tests/atoms/test_mace_zbl.py"),
+    ),
+    M(
+        "plain_rows_taken_fresh",
+        "stale halo read",
+        "tensors/dispatch.py",
+        "return from_local(t, like._spec.with_state(HaloState.STALE))",
+        "return from_local(t, like._spec)",
+        ("tests/tensors/test_dispatch_plain_rows.py",),
+    ),
     M(
         "custom_op_halo_correct_unsummed",
         "dropped halo sum",
@@ -418,6 +436,14 @@ MUTATIONS: list[Mutation] = [
         "atoms/neighbors.py",
         "and torch.equal(last[4], keep)",
         "and last[4].shape == keep.shape",
+        ("tests/atoms/test_mace_oracle.py",),
+    ),
+    M(
+        "model_dtype_cast_dropped",
+        "dtype",
+        "atoms/potentials/mace.py",
+        '"positions": data["positions"].to(dtype),',
+        '"positions": data["positions"],',
         ("tests/atoms/test_mace_oracle.py",),
     ),
     # -- atoms: LJ kernels, graph-parallel storage

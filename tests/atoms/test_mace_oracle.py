@@ -190,3 +190,65 @@ def test_md_equals_ase_verlet_with_mace_calculator(model_files):
         grid="2",
         what="MD potential energy per step vs ASE VelocityVerlet + MACECalculator",
     )
+
+
+# ---------------------------------------------------------------------- fp32 model files
+def _fp32_budget(ref: torch.Tensor, terms: int) -> dict:
+    """Both sides run the fp32 model on the same fp64 structure cast to fp32, with operations in
+    another order (twinshard's edge shifts are fp64 products cast once, mace's are fp32 products;
+    the sums over ranks are split differently): fp32 round-off of sums of ``terms`` terms,
+    ``max|ref| x (2 + 16 sqrt(terms)) eps32`` (the harness's Higham bound, fp32)."""
+    eps = torch.finfo(torch.float32).eps
+    atol = float(ref.abs().max()) * (2 + 16 * terms**0.5) * eps
+    return {"rtol": 0.0, "atol": atol, "why": f"fp32 model: (2 + 16 sqrt({terms})) eps32 x max|ref|"}
+
+
+@pytest.fixture(scope="module")
+def fp32_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("mace_fp32") / "fp32.model")
+    torch.save(build_mace(interaction=NONLINEAR, r_max=R_MAX, seed=4, dtype=torch.float32), path)
+    return path
+
+
+def test_fp32_model_serial_and_distributed_equal_its_calculator(fp32_file):
+    """A saved fp32 model (as most published MACE models are) runs at the default fp64 state: the
+    inputs are cast to the model's dtype at its boundary and the results come back fp64, as mace's
+    calculator does; serial and at 2 ranks in both storages, against mace's fp32 calculator."""
+    model = _model(fp32_file)
+    assert next(model.parameters()).dtype == torch.float32
+    system, ref = make_system(), _oracle(fp32_file)
+    got = evaluate_plain(MaceAdapter(model), system, edges=VerletList(R_MAX, 1.0))
+    assert got.energy.dtype == got.forces.dtype == got.stress.dtype == torch.float64
+    for key, val in (("energy", got.energy), ("forces", got.forces), ("stress", got.stress)):
+        exp = ref[key][0] if key == "energy" else ref[key]
+        assert_parity(val, exp, what=f"fp32 MACE serial {key} vs MACECalculator", **_fp32_budget(exp, 4096))
+    for storage in ("halo", "graph"):
+        res = run_on_world(_rank, 2, fp32_file, 2, storage, 1.0)
+        where = f"fp32 MACE {storage} storage P=2"
+        assert all(r["forces"].dtype == torch.float64 for r in res)
+        forces = by_id(res, "forces", system.ids)
+        assert_parity(
+            res[0]["energy"],
+            ref["energy"][0],
+            grid="2",
+            what=f"{where}: energy",
+            **_fp32_budget(ref["energy"], 4096),
+        )
+        assert_parity(
+            forces, ref["forces"], grid="2", what=f"{where}: forces", **_fp32_budget(ref["forces"], 4096)
+        )
+        assert_parity(
+            res[0]["stress"],
+            ref["stress"],
+            grid="2",
+            what=f"{where}: stress",
+            **_fp32_budget(ref["stress"], 4096),
+        )
+
+
+def test_fp32_model_md_keeps_an_fp64_state(fp32_file):
+    """run_md with an fp32 model: the positions and velocities stay fp64 (only the model is fp32)."""
+    system = make_system()
+    out = ta.run_md(system, _model(fp32_file), ranks=2, steps=2, dt=1.0, skin=1.0, initial_temperature=300.0)
+    assert out.system.positions.dtype == out.system.velocities.dtype == out.forces.dtype == torch.float64
+    assert bool(torch.isfinite(out.forces).all()) and float(out.forces.abs().max()) > 0

@@ -163,7 +163,11 @@ def load_mace(path: str, device: str | torch.device = "cpu", dtype: torch.dtype 
 
 
 class MaceAdapter(nn.Module):
-    """A MACE module behind twinshard's plain-model contract (see the module docstring)."""
+    """A MACE module behind twinshard's plain-model contract (see the module docstring).
+
+    Dtype: the model runs in its own dtype (a saved fp32 model stays fp32): the inputs are cast
+    to it at this boundary and every result back to the positions' dtype, as mace's calculator
+    does, so the MD state stays fp64 (or whatever the caller holds) around an fp32 model."""
 
     plain_contract = True  # dict in, dict out (atoms.plain_inputs): DistributedPotential(mode="dispatch")
 
@@ -199,7 +203,7 @@ class MaceAdapter(nn.Module):
             raise ValueError(
                 f"this MACE model has no parameters for some atomic numbers; it knows {self.species}"
             )
-        dtype = data["positions"].dtype
+        dtype = self.dtype  # the model's: inputs are cast to it here, as mace's calculator does
         classes = torch.arange(len(self.species), device=rows.device)
         node_attrs = (rows[:, None] == classes[None, :]).to(dtype)
         # twinshard: r = x[senders] + shifts - x[receivers]; mace: r = x[receiver] - x[sender] + shifts
@@ -216,7 +220,7 @@ class MaceAdapter(nn.Module):
         counts = torch.bincount(to_local(batch), minlength=cell3.shape[0])
         ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(cell.device)
         return {
-            "positions": data["positions"],
+            "positions": data["positions"].to(dtype),
             "node_attrs": node_attrs,
             "edge_index": torch.stack([data["senders"], data["receivers"]]),
             "shifts": shifts,
@@ -233,6 +237,7 @@ class MaceAdapter(nn.Module):
         compute_stress: bool = False,
         training: bool = False,
     ) -> dict[str, torch.Tensor | None]:
+        want = data["positions"].dtype  # results come back in the caller's dtype (MD state: fp64)
         out = self.model(
             self.mace_inputs(data),
             training=training,
@@ -253,7 +258,7 @@ class MaceAdapter(nn.Module):
                 res["stress"] = torch.where(has[:, None, None], out["stress"], float("nan"))
             else:
                 res["stress"] = None
-        return res
+        return {k: None if v is None else v.to(want) for k, v in res.items()}
 
 
 def mace_calculator(model: nn.Module) -> Any:
