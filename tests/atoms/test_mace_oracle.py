@@ -252,3 +252,28 @@ def test_fp32_model_md_keeps_an_fp64_state(fp32_file):
     out = ta.run_md(system, _model(fp32_file), ranks=2, steps=2, dt=1.0, skin=1.0, initial_temperature=300.0)
     assert out.system.positions.dtype == out.system.velocities.dtype == out.forces.dtype == torch.float64
     assert bool(torch.isfinite(out.forces).all()) and float(out.forces.abs().max()) > 0
+
+
+def test_cli_check_serial_uses_the_model_calculator(model_files, tmp_path, capsys):
+    """``twinshard md --check-serial`` with the non-linear block and skin 1.0: its serial side is
+    mace's own calculator (SerialEngine(reference=True)), so the skin bug, shared by twinshard's
+    serial and distributed paths, could not report 4e-16 again."""
+    import argparse
+    import json
+
+    from twinshard.atoms.io import read, write
+    from twinshard.atoms.md_cli import add_md_parser, run_md
+
+    structure = tmp_path / "s.extxyz"
+    write(structure, make_system())
+    parser = argparse.ArgumentParser()
+    add_md_parser(parser.add_subparsers())
+    argv = ["md", str(structure), "--potential", "mace", "--model", model_files[NONLINEAR], "--ranks", "2"]
+    argv += ["--steps", "3", "--dt", "1.0", "--skin", "1.0", "--check-serial", "--json"]
+    r = run_md(parser.parse_args(argv))
+    json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ref = mace_native(_model(model_files[NONLINEAR]), read(structure).to_ase())  # as written (extxyz)
+    assert abs(r["energy"] - float(ref["energy"][0])) <= 1e-12 * abs(float(ref["energy"][0]))
+    assert (
+        r["energy_rel_error"] <= 1e-12 and r["max_force_error"] <= 1e-12 and r["max_position_error"] <= 1e-12
+    )

@@ -68,7 +68,7 @@ from twinshard.atoms.md import (
     maxwell_boltzmann,
     simulate,
 )
-from twinshard.atoms.plain_inputs import evaluate_serial, potential_mode
+from twinshard.atoms.plain_inputs import evaluate_reference, evaluate_serial, potential_mode
 from twinshard.atoms.potentials import make_potential
 from twinshard.atoms.system import System
 from twinshard.tensors.memory import RssWindow, peak_memory_during, storage_bytes
@@ -549,11 +549,14 @@ def _serial_reference(
         cached = torch.load(cfg.serial_cache, weights_only=False)
         if cached.get("key") == key:
             return cached
-    engine = SerialEngine(potential, system, skin=cfg.skin)
+    # values from the model's own evaluation path (MACE: its calculator), memory from twinshard's
+    # serial evaluation of the same model (the denominator of the per-rank memory ratio)
+    engine = SerialEngine(potential, system, skin=cfg.skin, reference=True)
     with RssWindow() as rss:
-        ref, peak = peak_memory_during(
+        _, peak = peak_memory_during(
             lambda: evaluate_serial(potential, system, engine.verlet), system.positions.device
         )
+        ref = evaluate_reference(potential, system)
         resident = _tensor_bytes(engine.system, engine.verlet.edges)
         run = simulate(
             engine,

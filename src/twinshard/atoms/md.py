@@ -228,12 +228,17 @@ class Engine(Protocol):
 
 
 class SerialEngine:
-    """All atoms in one process; a Verlet list with ``skin`` for the edges."""
+    """All atoms in one process; a Verlet list with ``skin`` for the edges. ``reference=True``
+    evaluates through the model's own path where it has one (``evaluate_reference``: MACE's
+    calculator; the oracle of ``--check-serial``), not twinshard's serial path."""
 
     rank = 0
 
-    def __init__(self, potential: torch.nn.Module, system: System, skin: float = 1.0) -> None:
+    def __init__(
+        self, potential: torch.nn.Module, system: System, skin: float = 1.0, reference: bool = False
+    ) -> None:
         self.potential = potential
+        self.reference = reference
         self.system = system.clone()
         self.verlet = VerletList(float(potential.cutoff), skin)
         self.n_atoms = system.n_atoms
@@ -252,9 +257,12 @@ class SerialEngine:
         self.system.velocities = velocities
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from twinshard.atoms.plain_inputs import evaluate_serial  # either contract (MACE: the plain one)
+        from twinshard.atoms.plain_inputs import evaluate_reference, evaluate_serial  # either contract
 
-        res = evaluate_serial(self.potential, self.system, self.verlet, compute_stress=False)
+        if self.reference:
+            res = evaluate_reference(self.potential, self.system, compute_stress=False)
+        else:
+            res = evaluate_serial(self.potential, self.system, self.verlet, compute_stress=False)
         return res.energy, res.forces
 
     def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ __all__ = [
     "dispatch_compute",
     "dispatch_energies",
     "evaluate_plain",
+    "evaluate_reference",
     "evaluate_serial",
     "is_plain",
     "potential_mode",
@@ -167,6 +168,16 @@ def evaluate_serial(
     from twinshard.atoms.potentials.base import evaluate
 
     return evaluate(potential, system, edges, compute_stress=compute_stress)
+
+
+def evaluate_reference(potential: nn.Module, system: System, compute_stress: bool = True) -> Results:
+    """The serial oracle: the model's own evaluation path where it has one (``potential.native``,
+    a third-party model's own code: MACE's calculator, its neighbour list and batch), so an error
+    shared by twinshard's serial and distributed paths cannot hide; else :func:`evaluate_serial`."""
+    native = getattr(potential, "native", None)
+    if callable(native):
+        return native(system, compute_stress)
+    return evaluate_serial(potential, system, compute_stress=compute_stress)
 
 
 def block_inputs(

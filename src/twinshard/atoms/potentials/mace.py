@@ -194,6 +194,22 @@ class MaceAdapter(nn.Module):
                 f"it knows {self.species} (its atomic_numbers)"
             )
 
+    def native(self, system: Any, compute_stress: bool = True) -> Any:
+        """The model's own evaluation path, mace-torch's calculator (:func:`mace_native`), as
+        :class:`~twinshard.atoms.potentials.base.Results` in the positions' dtype: the serial
+        oracle of ``--check-serial`` and ``validate`` (``plain_inputs.evaluate_reference``)."""
+        from twinshard.atoms.potentials.base import Results
+
+        got = mace_native(self.model, system.to_ase(), compute_stress)
+        dtype, dev = system.positions.dtype, system.positions.device
+        stress = got.get("stress")
+        stress = None if stress is None else stress.to(dev, dtype)
+        virial = None if stress is None else -system.volume * stress
+        return Results(
+            got["energy"][0].to(dev, dtype), got["node_energy"].to(dev, dtype), got["forces"].to(dev, dtype),
+            stress, virial,
+        )  # fmt: skip
+
     def mace_inputs(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """mace's data dict from twinshard's plain-model dict (ShardTensors pass through)."""
         numbers, cell = data["numbers"], data["cell"]
