@@ -202,6 +202,9 @@ def _stack_rank():
         "state combined": y.state == HaloState.STALE,
         "values": torch.equal(to_local(y), torch.stack([a, b, c]).sum(0)),
         "fresh stays fresh": torch.stack([from_local(a, fresh)] * 2).sum(0).state == HaloState.FRESH,
+        # a plain operand with the block's rows is a plain per-row tensor (mace's ZBL energy): STALE
+        "plain per-row operand": torch.stack([from_local(a, fresh), b]).sum(0).state == HaloState.STALE,
+        "plain per-row values": torch.equal(to_local(torch.stack([from_local(a, fresh), b]).sum(0)), a + b),
     }
     adj = adjoint_pair(
         lambda z: to_local(torch.stack([from_local(z, fresh), from_local(z * 2.0, fresh)], dim=0).sum(dim=0)),
@@ -213,7 +216,7 @@ def _stack_rank():
     for name, fn in {
         "cat along atoms": lambda: torch.cat([from_local(a, fresh), from_local(b, fresh)], dim=0),
         "stack, other layouts": lambda: torch.stack([from_local(a, fresh), owned[:, None].expand(-1, 3)]),
-        "stack with a plain tensor": lambda: torch.stack([from_local(a, fresh), b]),
+        "stack with a plain tensor of other rows": lambda: torch.stack([from_local(a, fresh), b[1:]]),
         "stack of different shapes": lambda: torch.stack([from_local(a, fresh), from_local(a[:, :2], fresh)]),
         "stacked: index the new dim": lambda: torch.stack([from_local(a, fresh)] * 2)[0],
         "stacked: sum over atoms": lambda: torch.stack([from_local(a, fresh)] * 2).sum(dim=1),

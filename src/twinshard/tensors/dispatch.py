@@ -34,6 +34,13 @@ all_to_all — so its backward is the exact adjoint, tested with ``adjoint_pair`
     rows are dropped (each atom counts once), the scatter runs locally, then one
     all-reduce (Partial -> Replicate; backward: the identity, a replicated
     gradient counted once).
+``plain_rows_reduce``
+    ``index_add(_)`` / ``scatter_add(_)`` along dim 0 with a per-atom ShardTensor index (a
+    system index, ``batch``) into a buffer that is not per-atom, from a *plain per-row* source
+    (below), as mace's ZBL pair energy is summed per system: the source is read as the index's
+    rows (:func:`plain_rows`), then as ``per_system_reduce`` (owned rows only, one all-reduce).
+    A rank whose source's dim 0 is not its index's raises on every rank: the check rides on the
+    same all-reduce (one extra element), so no rank is left waiting.
 ``global_reduce``
     ``sum`` (all dims, or dim 0), ``any``, ``all``, ``amax``, ``amin`` (all dims)
     of a per-atom ShardTensor: halo rows dropped, reduced locally, all-reduced
@@ -54,6 +61,31 @@ all_to_all — so its backward is the exact adjoint, tested with ``adjoint_pair`
     ``torch.autograd.grad`` with ShardTensor inputs beside plain ones (a strain
     or displacement every rank applies, as MACE's stress): the plain inputs are
     replicated, so their gradients are per-rank partial sums and are all-reduced.
+
+Plain per-row tensors. A model may allocate a plain tensor from a per-atom *count* and fill it
+from plain per-edge values (mace's ZBL: ``scatter_sum(v_edges, receiver, dim=0,
+dim_size=node_attrs.size(0))`` into a fresh ``torch.zeros``): no handler sees that, and the
+result is a plain tensor with the block's local row count, the local rows of a per-atom quantity.
+Its semantics (:func:`plain_rows`): in halo storage its **owned rows are the values and its halo
+rows are unknown**, exactly a STALE halo-padded tensor (a scatter of a block's edges onto their
+receivers, which are owned, leaves the halo rows zero); without halo its rows are the owned rows.
+Being STALE, its halo rows are never read: a gather refreshes them from their owners, a reduction
+drops them. (A plain buffer holding partial sums in its halo rows, a scatter onto *sender* rows,
+is outside this reading: it needs the reverse exchange, which only a ShardTensor target gets, from
+``halo_correction``.)
+
+Which plain tensor is per-row: only an operand of an op that also has a per-atom ShardTensor
+operand and whose own semantics pair the plain tensor's dim 0 with that operand's atom rows,
+element by element, with dim 0 equal to the local row count exactly: the source of a scatter
+whose index is per-atom (``plain_rows_reduce``: source row ``i`` goes where index row ``i`` says);
+an operand of ``torch.stack`` beside per-atom ShardTensors of the same shape and dtype
+(``stack_then_sum`` in :mod:`~twinshard.tensors.rowwise`; a stack or ``cat`` along another dim
+takes the default path); a pointwise operand with the same row count, an einsum operand holding
+the atom letter first (results STALE, which is always safe: at worst one refresh too many). A
+plain tensor anywhere else (a gather's or scatter's index, a table, the right side of a matmul, a
+scatter source whose index is plain) is never read as per-row. So a per-edge tensor that happens
+to have as many rows as the block (``n_edges == n_rows``) meets atom rows only where the op
+itself pairs them row by row, as the serial model (``N`` atoms, its own edge count) would, or fail.
 """
 
 from __future__ import annotations
@@ -80,6 +112,7 @@ __all__ = [
     "lazy_halo",
     "parse_index_call",
     "partial_to_replicate",
+    "plain_rows",
     "register",
 ]
 
@@ -393,19 +426,83 @@ def _reduce_pred(func: Any, args: tuple, kwargs: dict) -> bool:
     return not tgt_per_atom and isinstance(c.source, ShardTensor) and c.source._spec.per_atom
 
 
-def _run_reduce(func: Any, args: tuple, kwargs: dict) -> Any:
-    c = parse_index_call(func, args, kwargs)
-    assert c is not None
-    src: ShardTensor = c.source
+def _local_reduce(c: IndexCall, src: ShardTensor) -> torch.Tensor:
+    """This rank's partial sums of the scatter ``c`` from the owned rows of ``src`` (halo rows
+    dropped: each atom counts once), in the target's shape and the source's dtype."""
     n = src.plan.n_owned if src._spec.halo else src.shape[0]
     index = _plain(c.index)[:n]
-    partial = _local_scatter(
-        c, torch.zeros(c.target.shape, dtype=src.dtype, device=src.device), index, _owned_rows(src)
-    )
-    total = partial_to_replicate(partial, src.group).to(c.target.dtype)
+    zeros = torch.zeros(c.target.shape, dtype=src.dtype, device=src.device)
+    return _local_scatter(c, zeros, index, _owned_rows(src))
+
+
+def _add_into(c: IndexCall, total: torch.Tensor) -> Any:
+    total = total.to(c.target.dtype)
     if c.inplace:
         return c.target.add_(total)
     return c.target + total
+
+
+def _run_reduce(func: Any, args: tuple, kwargs: dict) -> Any:
+    c = parse_index_call(func, args, kwargs)
+    assert c is not None
+    return _add_into(c, partial_to_replicate(_local_reduce(c, c.source), c.source.group))
+
+
+# ---------------------------------------------------------------------- plain per-row tensors
+def plain_rows(t: torch.Tensor, like: ShardTensor) -> ShardTensor:
+    """A plain per-row tensor ``t`` (``t.shape[0] == like.shape[0]``: the local rows of a per-atom
+    quantity computed from a per-atom count) as a ShardTensor of ``like``'s rows: STALE in halo
+    storage (owned rows are the values, halo rows unknown), the owned rows otherwise; see the
+    module docstring for when a plain tensor is read this way. Zero-copy and differentiable (the
+    gradient comes back plain)."""
+    if isinstance(t, ShardTensor) or not like._spec.per_atom or t.dim() == 0 or t.shape[0] != like.shape[0]:
+        raise ValueError(
+            f"plain_rows: a plain tensor with the {like.shape[0]} local rows of {like._spec!r}, "
+            f"got {type(t).__name__} of shape {tuple(t.shape)}"
+        )
+    return from_local(t, like._spec.with_state(HaloState.STALE))
+
+
+def _rows_reduce_pred(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Type facts only (the same on every rank): the row counts are checked in the run, agreed."""
+    c = parse_index_call(func, args, kwargs)
+    if c is None or not c.scatter or c.dim != 0:
+        return False
+    if isinstance(c.target, ShardTensor) and c.target._spec.per_atom:
+        return False
+    src = c.source
+    return (
+        isinstance(c.index, ShardTensor)
+        and c.index._spec.per_atom
+        and isinstance(src, torch.Tensor)
+        and not isinstance(src, ShardTensor)
+    )
+
+
+def _run_rows_reduce(func: Any, args: tuple, kwargs: dict) -> Any:
+    c = parse_index_call(func, args, kwargs)
+    assert c is not None
+    index: ShardTensor = c.index
+    src: torch.Tensor = c.source
+    ok = src.dim() > 0 and src.shape[0] == index.shape[0]
+    if ok:
+        partial = _local_reduce(c, plain_rows(src, index))
+    else:  # this rank cannot line its source up: it says so in the all-reduce, zeros for the rest
+        partial = torch.zeros(c.target.shape, dtype=src.dtype, device=src.device)
+    # the row-count flag rides on the sums' all-reduce (one element more), so every rank learns it
+    flat = torch.cat([partial.new_full((1,), 0 if ok else 1), partial.reshape(-1)])
+    total = partial_to_replicate(flat, index.group)
+    bad = int(total[0].detach())
+    if bad:
+        mine = (
+            "" if ok else f"; here the source has shape {tuple(src.shape)}, the index {index.shape[0]} rows"
+        )
+        raise ValueError(
+            f"{c.name} over atoms from a plain source with a per-atom index ({index._spec!r}): the "
+            f"source's dim 0 must be the index's local rows (a plain per-row tensor), not on "
+            f"{bad} rank(s){mine}"
+        )
+    return _add_into(c, total[1:].reshape(partial.shape))
 
 
 _GLOBAL = {
@@ -695,6 +792,12 @@ def _shipped() -> list[Handler]:
         Handler("halo_correction", _index_pred("scatter", HaloPadded), _run_correction, "correct halo sums"),
         Handler(
             "per_system_reduce", _reduce_pred, _run_reduce, "scatter over atoms into a per-system buffer"
+        ),
+        Handler(
+            "plain_rows_reduce",
+            _rows_reduce_pred,
+            _run_rows_reduce,
+            "scatter a plain per-row source with a per-atom index into a per-system buffer",
         ),
         Handler(
             "global_reduce", lambda f, a, k: _global_args(f, a, k) is not None, _run_global, "sum/any/..."

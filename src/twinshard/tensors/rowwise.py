@@ -28,8 +28,11 @@ the inputs' placement; anything else takes the default path (and raises there if
     dimension moves to dim 1, which no ShardSpec describes, so the result is a
     :class:`StackedRows` (the stacked local rows ``[k, n, ...]`` with the spec) whose only op is
     the reduction over the new leading dim, ``sum(dim=0)``, giving back a per-atom ShardTensor;
-    every other op on it raises ``UnhandledAtomOp``. Every other stack / cat along the atom
-    dimension still raises.
+    every other op on it raises ``UnhandledAtomOp``. Plain operands of the same shape and dtype
+    are plain per-row tensors (the local rows of a per-atom quantity, as mace's ZBL pair energy
+    ``V_ZBL [n_local]``; read with :func:`~twinshard.tensors.dispatch.plain_rows`: STALE), as long
+    as one operand is a per-atom ShardTensor; the result is then STALE. Every other stack / cat
+    along the atom dimension still raises.
 
 Halo state of the result: FRESH iff every per-atom input is FRESH and no plain input has the
 atom rows. No communication: the backward is the local op's backward on the local rows, which
@@ -42,7 +45,7 @@ from typing import Any
 
 import torch
 
-from twinshard.tensors.dispatch import REGISTRY, Handler
+from twinshard.tensors.dispatch import REGISTRY, Handler, plain_rows
 from twinshard.tensors.placements import HaloState, ShardSpec
 from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 
@@ -246,31 +249,40 @@ def _sum_leading(args: tuple, kwargs: dict) -> bool:
     return isinstance(dim, int) and dim % args[0].dim() == 0 and not keepdim and len(args) <= 3
 
 
-def _stack_parts(func: Any, args: tuple, kwargs: dict) -> list[ShardTensor] | None:
+def _stack_parts(func: Any, args: tuple, kwargs: dict) -> tuple[list[Any], ShardTensor] | None:
+    """(the operands, the first per-atom one) of a ``stack_then_sum`` stack: per-atom
+    ShardTensors of one spec and shape, and plain per-row tensors of that shape and dtype."""
     if func is not torch.stack or not args or not isinstance(args[0], (list, tuple)) or not args[0]:
         return None
     if set(kwargs) - {"dim"} or len(args) > 2:
         return None
     ts = list(args[0])
-    if not all(_per_atom(t) for t in ts):
+    sts = [t for t in ts if _per_atom(t)]
+    if not sts:
         return None
+    ref = sts[0]
     dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-    if not isinstance(dim, int) or dim % (ts[0].dim() + 1) != 0:
+    if not isinstance(dim, int) or dim % (ref.dim() + 1) != 0:
         return None
-    ref = ts[0]
     for t in ts:
-        if t.shape != ref.shape or t.dtype != ref.dtype or t._spec.row_block != 1:
+        if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
+            return None
+        if not isinstance(t, ShardTensor):  # a plain per-row tensor: its dim 0 lines up with ref's
+            continue
+        if not _per_atom(t) or t._spec.row_block != 1:
             return None
         if t._spec.state == HaloState.PARTIAL or t._spec.n_systems != ref._spec.n_systems:
             return None
         if t._spec.group is not ref._spec.group:
             return None
-    return ts if _same_layout(ts) else None
+    return (ts, ref) if _same_layout(sts) else None
 
 
 def _run_stack(func: Any, args: tuple, kwargs: dict) -> Any:
-    ts = _stack_parts(func, args, kwargs)
-    assert ts is not None
+    parts = _stack_parts(func, args, kwargs)
+    assert parts is not None
+    ts, ref = parts
+    ts = [t if isinstance(t, ShardTensor) else plain_rows(t, ref) for t in ts]  # STALE rows
     with torch._C.DisableTorchFunctionSubclass():
         local = torch.stack([to_local(t) for t in ts], dim=0)
     out = local.as_subclass(StackedRows)

@@ -22,9 +22,9 @@ rows and decides what comes out:
 
 - **keeps the subclass** (same spec; halo state FRESH only if every per-atom input
   was FRESH, else STALE): ops whose output keeps the atom rows at dim 0 —
-  pointwise ops (a plain input with the same number of rows makes the result
-  STALE: its halo rows are not known to be copies), ``mm``/``addmm``/``bmm``/
-  ``matmul`` with the ShardTensor on the left, reductions and views over the
+  pointwise ops and ``cat``/``stack`` along another dim (a plain input with the same
+  number of rows makes the result STALE: its halo rows are not known to be copies),
+  ``mm``/``addmm``/``bmm``/``matmul`` with the ShardTensor on the left, reductions and views over the
   other dims, ``index``/``gather`` of a plain table with a per-atom index
   (``embedding[numbers]``: the index's rows), ``clone``/``detach``/``to``, and the
   like-shaped allocators ``zeros_like``, ``ones_like``, ``full_like``, ``empty_like``,
@@ -335,7 +335,12 @@ def _combine(func: Any, args: tuple, ref: ShardTensor) -> HaloState:
     if func in _INDEX_BY:  # the rows come from the index, not from the (replicated) table
         idx = [a for a in flat[1:] if isinstance(a, ShardTensor) and a._spec.per_atom]
         return HaloState.FRESH if all(t.state == HaloState.FRESH for t in idx) else HaloState.STALE
-    pointwise = torch.Tag.pointwise in func.tags or func in (aten.where.self, aten.cat.default)
+    # stack / cat along another dim pair their operands' rows as a pointwise op does
+    pointwise = torch.Tag.pointwise in func.tags or func in (
+        aten.where.self,
+        aten.cat.default,
+        aten.stack.default,
+    )
     for a in flat:
         if isinstance(a, ShardTensor):
             if a._spec.per_atom and a.state != HaloState.FRESH:
