@@ -446,6 +446,14 @@ MUTATIONS: list[Mutation] = [
         '"positions": data["positions"],',
         ("tests/atoms/test_mace_oracle.py",),
     ),
+    M(
+        "validate_traces_stack",
+        "tracer",
+        "atoms/validate.py",
+        "        if _stacked(t):",
+        "        if False:",
+        ("tests/atoms/test_validate.py",),
+    ),
     # -- atoms: LJ kernels, graph-parallel storage
     M(
         "lj_kernel_j_force_dropped",

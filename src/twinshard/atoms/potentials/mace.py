@@ -170,6 +170,7 @@ class MaceAdapter(nn.Module):
     does, so the MD state stays fp64 (or whatever the caller holds) around an fp32 model."""
 
     plain_contract = True  # dict in, dict out (atoms.plain_inputs): DistributedPotential(mode="dispatch")
+    native_module = "model"  # the child that native_call's module is (validate traces it on both sides)
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -209,6 +210,26 @@ class MaceAdapter(nn.Module):
             got["energy"][0].to(dev, dtype), got["node_energy"].to(dev, dtype), got["forces"].to(dev, dtype),
             stress, virial,
         )  # fmt: skip
+
+    def native_call(self, system: Any) -> tuple[nn.Module, tuple, dict[str, Any]]:
+        """``(module, args, flags)``: the MACE module, mace's own input batch of ``system`` (its
+        neighbour list, ``AtomicData``, batching, in the model's dtype) and the flags
+        :meth:`forward` passes. ``validate`` traces ``module(*args, **flags)`` as the serial side."""
+        _require()
+        from mace import data as mdata
+        from mace.tools import torch_geometric, utils
+
+        z_table = utils.AtomicNumberTable([int(z) for z in self.model.atomic_numbers.tolist()])
+        with _default_dtype(self.dtype):  # mace's data pipeline builds tensors in the default dtype
+            config = mdata.config_from_atoms(system.to_ase())
+            ad = mdata.AtomicData.from_config(config, z_table=z_table, cutoff=float(self.model.r_max))
+            loader = torch_geometric.dataloader.DataLoader(dataset=[ad], batch_size=1, shuffle=False)
+            batch = next(iter(loader)).to_dict()
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                batch[k] = v.to(self.dtype)
+        flags = {"training": False, "compute_force": True, "compute_stress": True, "compute_virials": True}
+        return self.model, (batch,), flags
 
     def mace_inputs(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """mace's data dict from twinshard's plain-model dict (ShardTensors pass through)."""
@@ -260,7 +281,7 @@ class MaceAdapter(nn.Module):
             compute_force=compute_forces,
             compute_stress=compute_stress,
             compute_virials=compute_stress,
-        )
+        )  # the flags native_call hands validate
         res: dict[str, torch.Tensor | None] = {"node_energy": out["node_energy"], "energy": out["energy"]}
         if compute_forces:
             res["forces"] = out["forces"]
