@@ -8,8 +8,8 @@ ShardTensors in ``scatter_sum(pair_node_energy, batch)`` (MACE: ``plain_rows_red
 last dim, the default path). Small random-weight models (two residual interactions,
 ``8x0e + 8x1o``, four species, fp64) built here; a 32-atom periodic box with three pairs pulled
 to 0.9-1.4 A, so the ZBL term moves the energy by ~1 eV and the forces by several eV/A. Oracle:
-mace-torch's own ASE calculator, ``MACECalculator(models=model, default_dtype="float64")``.
-At 1, 2 and 4 ranks in halo storage (``ShardedSystem``, skin 0) and graph storage
+mace-torch's own ASE calculator (``mace_native``).
+At 1, 2 and 4 ranks in halo storage (``ShardedSystem``, skin 1.0) and graph storage
 (``GraphSharded``): energy, per-atom energies, forces, stress at fp64 round-off (``assert_parity``).
 Negative control: ``plain_rows_reduce`` switched off -> the ``UnhandledAtomOp`` refusal.
 """
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from twinshard.atoms import structures
 from twinshard.atoms.distributed import DistributedPotential
 from twinshard.atoms.graph_storage import GraphSharded
-from twinshard.atoms.potentials.mace import MaceAdapter
+from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, mace_native
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
 from twinshard.tensors.dispatch import REGISTRY
@@ -49,44 +49,8 @@ _MODELS: dict[str, torch.nn.Module] = {}
 
 def build_zbl_mace(kind: str, seed: int = 0) -> torch.nn.Module:
     """A small random-weight mace ``MACE`` / ``ScaleShiftMACE`` with ZBL and the Agnesi transform."""
-    from e3nn import o3
-    from mace import modules
-
-    gen = torch.Generator().manual_seed(seed)
-    e0 = (-1.0 - torch.rand(len(SPECIES), generator=gen, dtype=torch.float64)).numpy()
-    block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(seed)
-        extra = {"atomic_inter_scale": 1.7, "atomic_inter_shift": -0.3} if kind == "ScaleShiftMACE" else {}
-        model = getattr(modules, kind)(
-            **extra,
-            r_max=4.0,
-            num_bessel=6,
-            num_polynomial_cutoff=5,
-            max_ell=2,
-            interaction_cls=block,
-            interaction_cls_first=block,
-            num_interactions=2,
-            num_elements=len(SPECIES),
-            hidden_irreps=o3.Irreps("8x0e + 8x1o"),
-            MLP_irreps=o3.Irreps("8x0e"),
-            atomic_energies=np.asarray(e0),
-            avg_num_neighbors=10.0,
-            atomic_numbers=list(SPECIES),
-            correlation=2,
-            gate=torch.nn.functional.silu,
-            radial_MLP=[16, 16],
-            pair_repulsion=True,
-            distance_transform="Agnesi",
-        )
-        with torch.no_grad():  # no path silently inert (mace's residual skip starts at zero)
-            for p in model.parameters():
-                p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
-    finally:
-        torch.set_default_dtype(prev)
-    return model
+    scale_shift = (1.7, -0.3) if kind == "ScaleShiftMACE" else None
+    return build_mace(seed=seed, scale_shift=scale_shift, pair_repulsion=True, distance_transform="Agnesi")
 
 
 def _model(kind):
@@ -107,15 +71,12 @@ def make_system():
 
 
 def _calc(model, atoms):
-    from mace.calculators import MACECalculator
-
-    atoms = atoms.copy()
-    atoms.calc = MACECalculator(models=model, default_dtype="float64", device="cpu")
+    got = mace_native(model, atoms)  # mace's own calculator
     return {
-        "energy": torch.tensor(atoms.get_potential_energy(), dtype=torch.float64),
-        "per_atom": torch.as_tensor(atoms.calc.results["energies"], dtype=torch.float64),
-        "forces": torch.as_tensor(atoms.get_forces(), dtype=torch.float64),
-        "stress": torch.as_tensor(atoms.get_stress(voigt=False), dtype=torch.float64),
+        "energy": got["energy"][0],
+        "per_atom": got["node_energy"],
+        "forces": got["forces"],
+        "stress": got["stress"],
     }
 
 
@@ -129,7 +90,7 @@ def oracle():
         model = build_zbl_mace(kind)
         off = copy.deepcopy(model)
         del off.pair_repulsion  # mace's forward tests hasattr(self, "pair_repulsion")
-        refs[kind] = (_calc(copy.deepcopy(model), atoms), _calc(off, atoms))
+        refs[kind] = (_calc(model, atoms), _calc(off, atoms))
     return system, refs
 
 
@@ -149,9 +110,9 @@ def _rank(nranks, storage):
         model = _model(kind)
         system = make_system() if me == 0 else None
         if storage == "halo":
-            st = ShardedSystem.scatter(system, cutoff=float(model.r_max), skin=0.0, grid=GRIDS[nranks])
+            st = ShardedSystem.scatter(system, cutoff=float(model.r_max), skin=1.0, grid=GRIDS[nranks])
         else:
-            st = GraphSharded.scatter(system, cutoff=float(model.r_max), skin=0.0)
+            st = GraphSharded.scatter(system, cutoff=float(model.r_max), skin=1.0)
         res = DistributedPotential(MaceAdapter(model), mode="dispatch").compute(st)
         out[kind] = {
             "ids": st.ids,
@@ -207,9 +168,9 @@ def _rank_disabled(storage):
     model = _model("MACE")
     system = make_system() if dist.get_rank() == 0 else None
     if storage == "halo":
-        st = ShardedSystem.scatter(system, cutoff=float(model.r_max), skin=0.0, grid=GRIDS[2])
+        st = ShardedSystem.scatter(system, cutoff=float(model.r_max), skin=1.0, grid=GRIDS[2])
     else:
-        st = GraphSharded.scatter(system, cutoff=float(model.r_max), skin=0.0)
+        st = GraphSharded.scatter(system, cutoff=float(model.r_max), skin=1.0)
     try:
         with REGISTRY.disabled("plain_rows_reduce"):
             DistributedPotential(MaceAdapter(model), mode="dispatch").compute(st)

@@ -85,6 +85,7 @@ def build_mace(
     scale_shift: tuple[float, float] | None = None,
     interaction: str = "RealAgnosticResidualInteractionBlock",
     pair_repulsion: bool = False,
+    distance_transform: str | None = None,
 ) -> nn.Module:
     """A small ``mace.modules.MACE`` with random weights (offline; the embedded default).
 
@@ -93,7 +94,8 @@ def build_mace(
     ``scale_shift=(scale, shift)`` builds mace's ``ScaleShiftMACE`` instead (the class of real
     saved models such as MACE-MP: ``atomic_inter_scale`` / ``atomic_inter_shift``).
     ``interaction``: any of mace's ``interaction_classes`` (for every layer);
-    ``pair_repulsion``: mace's ZBL pair term (the MACE-MP recipe)."""
+    ``pair_repulsion``: mace's ZBL pair term and ``distance_transform`` (``"Agnesi"``,
+    ``"Soft"``) its radial transform: the MACE-MP foundation-model recipe."""
     _require()
     import numpy as np
     from e3nn import o3
@@ -116,6 +118,8 @@ def build_mace(
             extra = {"atomic_inter_scale": float(scale_shift[0]), "atomic_inter_shift": float(scale_shift[1])}
         if pair_repulsion:
             extra["pair_repulsion"] = True
+        if distance_transform is not None:
+            extra["distance_transform"] = distance_transform
         model = cls(
             **extra,
             r_max=float(r_max),
