@@ -277,3 +277,39 @@ def test_cli_check_serial_uses_the_model_calculator(model_files, tmp_path, capsy
     assert (
         r["energy_rel_error"] <= 1e-12 and r["max_force_error"] <= 1e-12 and r["max_position_error"] <= 1e-12
     )
+
+
+# ---------------------------------------------------------------------- multi-head models
+def _head_rank(path: str, head: str, storage: str) -> dict:
+    model = _model(path)
+    system = make_system() if dist.get_rank() == 0 else None
+    if storage == "graph":
+        sh = GraphSharded.scatter(system, cutoff=R_MAX, skin=1.0)
+    else:
+        sh = ShardedSystem.scatter(system, cutoff=R_MAX, skin=1.0, grid=GRIDS[2])
+    res = DistributedPotential(MaceAdapter(model, head=head), mode="dispatch").compute(sh)
+    return {
+        "ids": sh.ids,
+        "energy": res.energy,
+        "per_atom": res.per_atom,
+        "forces": res.forces,
+        "stress": res.stress,
+    }
+
+
+def test_multi_head_model_each_head_equals_its_calculator(tmp_path):
+    """A multi-head ScaleShiftMACE (the fine-tuned foundation-model layout): ``MaceAdapter(model,
+    head=...)`` reads the head mace's calculator reads with ``head=...``, at 2 ranks in both
+    storages; the heads differ (each has its own E0s, scale and shift)."""
+    path = str(tmp_path / "heads.model")
+    torch.save(build_mace(scale_shift=(1.7, -0.3), heads=["default", "pbe"], r_max=R_MAX, seed=4), path)
+    energies = {}
+    for head in ("default", "pbe"):
+        ref = mace_native(_model(path), make_system().to_ase(), head=head)
+        energies[head] = float(ref["energy"][0])
+        for storage in ("halo", "graph"):
+            res = run_on_world(_head_rank, 2, path, head, storage)
+            _check(res, ref, f"multi-head MACE, head {head}, {storage} storage, P=2", "2")
+    assert abs(energies["default"] - energies["pbe"]) > 1.0, energies
+    with pytest.raises(ValueError, match=r"no head 'r2scan'; its heads are \['default', 'pbe'\]"):
+        MaceAdapter(_model(path), head="r2scan")

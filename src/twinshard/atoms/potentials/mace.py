@@ -86,6 +86,7 @@ def build_mace(
     interaction: str = "RealAgnosticResidualInteractionBlock",
     pair_repulsion: bool = False,
     distance_transform: str | None = None,
+    heads: Sequence[str] | None = None,
 ) -> nn.Module:
     """A small ``mace.modules.MACE`` with random weights (offline; the embedded default).
 
@@ -95,7 +96,9 @@ def build_mace(
     saved models such as MACE-MP: ``atomic_inter_scale`` / ``atomic_inter_shift``).
     ``interaction``: any of mace's ``interaction_classes`` (for every layer);
     ``pair_repulsion``: mace's ZBL pair term and ``distance_transform`` (``"Agnesi"``,
-    ``"Soft"``) its radial transform: the MACE-MP foundation-model recipe."""
+    ``"Soft"``) its radial transform: the MACE-MP foundation-model recipe. ``heads``: a multi-head
+    model (mace's ``heads``; per-head E0s, and per-head scale and shift for ``ScaleShiftMACE``,
+    the head ``k`` ones shifted by ``k``)."""
     _require()
     import numpy as np
     from e3nn import o3
@@ -103,7 +106,9 @@ def build_mace(
 
     species = sorted(int(z) for z in species)
     gen = torch.Generator().manual_seed(int(seed))
-    e0 = (-1.0 - torch.rand(len(species), generator=gen, dtype=torch.float64)).numpy()
+    n_heads = len(heads) if heads else 1
+    e0 = (-1.0 - torch.rand(n_heads, len(species), generator=gen, dtype=torch.float64)).numpy()
+    e0 = e0 if heads else e0[0]
     if interaction not in modules.interaction_classes:
         raise ValueError(
             f"unknown MACE interaction {interaction!r}; mace offers {sorted(modules.interaction_classes)}"
@@ -115,7 +120,15 @@ def build_mace(
         extra: dict[str, Any] = {}
         if scale_shift is not None:
             cls = modules.ScaleShiftMACE
-            extra = {"atomic_inter_scale": float(scale_shift[0]), "atomic_inter_shift": float(scale_shift[1])}
+            scale, shift = float(scale_shift[0]), float(scale_shift[1])
+            extra = {"atomic_inter_scale": scale, "atomic_inter_shift": shift}
+            if heads:
+                extra = {
+                    "atomic_inter_scale": [scale + k for k in range(n_heads)],
+                    "atomic_inter_shift": [shift + k for k in range(n_heads)],
+                }
+        if heads:
+            extra["heads"] = list(heads)
         if pair_repulsion:
             extra["pair_repulsion"] = True
         if distance_transform is not None:
@@ -176,9 +189,16 @@ class MaceAdapter(nn.Module):
     plain_contract = True  # dict in, dict out (atoms.plain_inputs): DistributedPotential(mode="dispatch")
     native_module = "model"  # the child that native_call's module is (validate traces it on both sides)
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, head: str | None = None) -> None:
         super().__init__()
         self.model = model
+        heads = list(getattr(model, "heads", None) or ["default"])
+        if head is not None and head not in heads:
+            raise ValueError(f"the MACE model has no head {head!r}; its heads are {heads}")
+        # a multi-head model: which head's readout (mace's default: the first, as its calculator's
+        # "default" when a model has one)
+        self.head = head if head is not None else ("default" if "default" in heads else heads[0])
+        self.head_index = heads.index(self.head)
         self.cutoff = float(model.r_max)
         z = [int(v) for v in model.atomic_numbers.tolist()]
         self.species = sorted(z)
@@ -205,7 +225,7 @@ class MaceAdapter(nn.Module):
         oracle of ``--check-serial`` and ``validate`` (``plain_inputs.evaluate_reference``)."""
         from twinshard.atoms.potentials.base import Results
 
-        got = mace_native(self.model, system.to_ase(), compute_stress)
+        got = mace_native(self.model, system.to_ase(), compute_stress, head=self.head)
         dtype, dev = system.positions.dtype, system.positions.device
         stress = got.get("stress")
         stress = None if stress is None else stress.to(dev, dtype)
@@ -232,6 +252,8 @@ class MaceAdapter(nn.Module):
         for k, v in batch.items():
             if isinstance(v, torch.Tensor) and v.is_floating_point():
                 batch[k] = v.to(self.dtype)
+        if self.head_index:
+            batch["head"] = torch.full((batch["ptr"].numel() - 1,), self.head_index, dtype=torch.int64)
         flags = {"training": False, "compute_force": True, "compute_stress": True, "compute_virials": True}
         return self.model, (batch,), flags
 
@@ -260,7 +282,7 @@ class MaceAdapter(nn.Module):
         # mace reads only ptr's length (its number of graphs); the values are this call's rows
         counts = torch.bincount(to_local(batch), minlength=cell3.shape[0])
         ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(cell.device)
-        return {
+        inputs = {
             "positions": data["positions"].to(dtype),
             "node_attrs": node_attrs,
             "edge_index": torch.stack([data["senders"], data["receivers"]]),
@@ -270,6 +292,11 @@ class MaceAdapter(nn.Module):
             "batch": batch,
             "ptr": ptr,
         }
+        if self.head_index:  # per-system head index (a replicated table mace reads as head[batch])
+            inputs["head"] = torch.full(
+                (cell3.shape[0],), self.head_index, dtype=torch.int64, device=cell.device
+            )
+        return inputs
 
     def forward(
         self,
@@ -302,9 +329,10 @@ class MaceAdapter(nn.Module):
         return {k: None if v is None else v.to(want) for k, v in res.items()}
 
 
-def mace_calculator(model: nn.Module) -> Any:
+def mace_calculator(model: nn.Module, head: str | None = None) -> Any:
     """mace-torch's own ASE calculator (``MACECalculator``) on a copy of ``model`` at the model's
-    dtype (so it converts nothing; it freezes its copy's parameters, never the caller's)."""
+    dtype (so it converts nothing; it freezes its copy's parameters, never the caller's);
+    ``head``: a multi-head model's head (mace's default otherwise)."""
     _require()
     import copy
     import logging
@@ -319,13 +347,15 @@ def mace_calculator(model: nn.Module) -> Any:
     try:
         return MACECalculator(
             models=copy.deepcopy(model), device=str(next(model.parameters()).device),
-            default_dtype=str(dtype).removeprefix("torch."),
+            default_dtype=str(dtype).removeprefix("torch."), **({} if head is None else {"head": head}),
         )  # fmt: skip
     finally:
         logging.getLogger().setLevel(quiet)
 
 
-def mace_native(model: nn.Module, atoms: Any, compute_stress: bool = True) -> dict[str, torch.Tensor]:
+def mace_native(
+    model: nn.Module, atoms: Any, compute_stress: bool = True, head: str | None = None
+) -> dict[str, torch.Tensor]:
     """Serial MACE through mace-torch's own evaluation path, its ASE calculator
     (:func:`mace_calculator`: its neighbour list, ``AtomicData``, batching, dtype casts): the
     oracle. ``energy [1]``, ``node_energy [n]``, ``forces [n, 3]`` and, with ``compute_stress``
@@ -335,7 +365,7 @@ def mace_native(model: nn.Module, atoms: Any, compute_stress: bool = True) -> di
     from ase.stress import voigt_6_to_full_3x3_stress
 
     atoms = atoms.copy()
-    atoms.calc = mace_calculator(model)
+    atoms.calc = mace_calculator(model, head)
     props = ["energy", "forces"] + (["stress"] if compute_stress and atoms.cell.volume > 0 else [])
     atoms.calc.calculate(atoms, properties=props)
     got = atoms.calc.results
