@@ -454,6 +454,14 @@ MUTATIONS: list[Mutation] = [
         "        if False:",
         ("tests/atoms/test_validate.py",),
     ),
+    M(
+        "batch_edges_first_cell",
+        "wrong index",
+        "atoms/potentials/mace.py",
+        'inv = torch.linalg.pinv(cell3)[to_local(batch[data["receivers"]])]',
+        'inv = torch.linalg.pinv(cell3)[0 * to_local(batch[data["receivers"]])]',
+        ("tests/atoms/test_mace_oracle.py",),
+    ),
     # -- atoms: LJ kernels, graph-parallel storage
     M(
         "lj_kernel_j_force_dropped",

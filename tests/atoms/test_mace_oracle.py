@@ -337,3 +337,44 @@ def test_multi_head_model_each_head_equals_its_calculator(tmp_path):
     assert abs(energies["default"] - energies["pbe"]) > 1.0, energies
     with pytest.raises(ValueError, match=r"no head 'r2scan'; its heads are \['default', 'pbe'\]"):
         MaceAdapter(_model(path), head="r2scan")
+
+
+# ---------------------------------------------------------------------- a batch of periodic systems
+def make_batch() -> list[System]:
+    """Two periodic systems with different cells: the cubic box and a rattled rhombohedral supercell."""
+    tri = structures.triclinic_argon(3, rattle=0.2, seed=3)  # 27 atoms, 60-degree cell
+    tri.numbers = torch.tensor([1, 6, 8, 29])[torch.arange(tri.n_atoms) % 4]
+    return [make_system(), tri]
+
+
+def _batch_rank(path: str) -> dict:
+    systems = make_batch() if dist.get_rank() == 0 else None
+    g = GraphSharded.scatter(systems, cutoff=R_MAX, skin=1.0)
+    res = DistributedPotential(MaceAdapter(_model(path)), mode="dispatch").compute(g)
+    return {"energy": res.energy, "per_atom": res.per_atom, "forces": res.forces, "stress": res.stress}
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_batch_of_two_periodic_cells_equals_mace_calculator(model_files, nranks):
+    """Graph storage of a batch whose systems have different cells (each edge's lattice vectors
+    are its own system's): per-system energies and stresses, per-atom forces, each system equal
+    to mace's calculator on that system alone; a rank's rows straddle the two systems."""
+    path = model_files[NONLINEAR]
+    systems = make_batch()
+    refs = [mace_native(_model(path), s.to_ase()) for s in systems]
+    res = run_on_world(_batch_rank, nranks, path)
+    where = f"MACE batch of 2 periodic cells, graph storage P={nranks}"
+    assert_replicated([r["energy"] for r in res], f"energy {where}")
+    assert_replicated([r["stress"] for r in res], f"stress {where}")
+    forces = torch.cat([r["forces"] for r in res])  # owned rows in rank order: the concatenation
+    per_atom = torch.cat([r["per_atom"] for r in res])
+    assert [r["forces"].shape[0] for r in res].count(0) == 0 and sum(r["forces"].shape[0] for r in res) == 59
+    start = 0
+    for k, (s, ref) in enumerate(zip(systems, refs)):
+        rows = slice(start, start + s.n_atoms)
+        start += s.n_atoms
+        grid = str(nranks)
+        assert_parity(res[0]["energy"][k], ref["energy"][0], grid=grid, what=f"system {k} energy, {where}")
+        assert_parity(per_atom[rows], ref["node_energy"], grid=grid, what=f"system {k} node energy, {where}")
+        assert_parity(forces[rows], ref["forces"], grid=grid, what=f"system {k} forces, {where}")
+        assert_parity(res[0]["stress"][k], ref["stress"], grid=grid, what=f"system {k} stress, {where}")
