@@ -462,6 +462,31 @@ MUTATIONS: list[Mutation] = [
         'inv = torch.linalg.pinv(cell3)[0 * to_local(batch[data["receivers"]])]',
         ("tests/atoms/test_mace_oracle.py",),
     ),
+    # -- atoms: the rebuild decision (both storages)
+    M(
+        "halo_rebuild_past_whole_skin",
+        "off-by-factor",
+        "atoms/sharded.py",
+        "if disp > 0.5 * self.skin or forced:",
+        "if disp > self.skin or forced:",
+        ("tests/atoms/test_rebuild.py",),
+    ),
+    M(
+        "graph_rebuild_past_whole_skin",
+        "off-by-factor",
+        "atoms/graph_storage.py",
+        "if force or disp > 0.5 * self.skin:",
+        "if force or disp > self.skin:",
+        ("tests/atoms/test_rebuild.py",),
+    ),
+    M(
+        "graph_replicate_local_flag",
+        "unagreed control flow",
+        "atoms/graph_storage.py",
+        "        if stale:",
+        "        if self._stale:",
+        ("tests/atoms/test_rebuild.py",),
+    ),
     # -- atoms: LJ kernels, graph-parallel storage
     M(
         "lj_kernel_j_force_dropped",

@@ -326,7 +326,7 @@ class GraphSharded:
         decision is taken from replicated data: the same on every rank). Raises ValueError on every
         rank if a position is NaN/inf. Returns whether it rebuilt. Memory: the ``N x 3`` replicated
         positions and the owned receivers' edges."""
-        self._replicate()
+        self._replicate(agreed=True)
         x = self.all_positions
         if not bool(torch.isfinite(x).all()):
             raise ValueError(
@@ -339,8 +339,16 @@ class GraphSharded:
             return True
         return False
 
-    def _replicate(self) -> None:
-        if self._stale:
+    def _replicate(self, agreed: bool = False) -> None:
+        """Collective: the replicated positions after owned rows were written. Whether any rank
+        wrote is a per-rank fact, so it is agreed first (one all-reduce of a flag), never read
+        locally: a rank that skipped the all-gather its peers enter would hang them. ``agreed``:
+        the caller gathers anyway (``update``: the MD step wrote on every rank)."""
+        stale = agreed or bool(
+            prim.all_reduce(torch.tensor([float(self._stale)], device=self.device), self.group, op="stale")[0]
+            > 0
+        )
+        if stale:
             self.all_positions = self.all_gather_rows(self._positions.detach())
             self._stale = False
 
