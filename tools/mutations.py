@@ -487,6 +487,22 @@ MUTATIONS: list[Mutation] = [
         "        if self._stale:",
         ("tests/atoms/test_rebuild.py",),
     ),
+    M(
+        "owner_rule_self_image_both_ends",
+        "double count",
+        "atoms/sharded.py",
+        "(id_owned == id_halo) & lex_positive(rel_shift)",
+        "(id_owned == id_halo)",
+        ("tests/atoms/test_lj_fast.py",),
+    ),
+    M(
+        "owner_rule_self_image_frames_dropped",
+        "wrong shift",
+        "atoms/sharded.py",
+        "keep[cross] = owner_keeps(ids[io], ids[jh], shift[jh] - shift[io] + m[cross])",
+        "keep[cross] = owner_keeps(ids[io], ids[jh], shift[jh] + m[cross])",
+        ("tests/atoms/test_lj_fast.py",),
+    ),
     # -- atoms: LJ kernels, graph-parallel storage
     M(
         "lj_kernel_j_force_dropped",

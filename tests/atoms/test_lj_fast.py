@@ -288,3 +288,40 @@ def test_negative_control_misrouted_reverse_sum_is_caught():
     assert_parity(res[0]["energy"], ref.energy, what="energy, misrouted reverse (not seen)")
     with pytest.raises(AssertionError, match="parity of forces, misrouted reverse sum .* fails"):
         assert_parity(by_id(res, "forces", system.ids), ref.forces, what="forces, misrouted reverse sum")
+
+
+def _rank_self_images(nranks):
+    pot = make_potential("lj")
+    system = _small_triclinic() if dist.get_rank() == 0 else None
+    sh = ShardedSystem.scatter(system, cutoff=pot.cutoff, skin=SKIN, partition="block")
+    res = DistributedPotential(pot).compute(sh)
+    own_images = int(torch.isin(sh.plan.halo_ids.to(sh.ids.device), sh.ids).sum())
+    return {
+        "ids": sh.ids,
+        "energy": res.energy,
+        "forces": res.forces,
+        "virial": res.virial,
+        "pairs": sh.half_edges().n_edges,
+        "own_images": own_images,
+    }
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_own_periodic_images_as_halo_rows_of_the_same_rank(nranks):
+    """A 9-atom cell with a 3.7 A axis in block partition (no wrap axes: every image is a halo row):
+    each rank's halo holds periodic images of its own atoms, and an atom and its own image form a
+    pair within the cutoff. The owner rule keeps each such pair once (by the sign of the relative
+    lattice shift, on the one rank that holds both ends) and each cross-rank pair once."""
+    system, pot = _small_triclinic(), make_potential("lj")
+    ref = evaluate(pot, system, analytic=False)
+    res = run_on_world(_rank_self_images, nranks, nranks)
+    where = f"lj small triclinic, block partition P={nranks}"
+    assert all(r["own_images"] > 0 for r in res), f"{where}: no rank holds an image of its own atom"
+    serial_pairs = neighbor_list(system.positions, pot.cutoff + SKIN, system.cell, system.pbc, half=True)
+    self_pairs = int((serial_pairs.senders == serial_pairs.receivers).sum())
+    assert self_pairs > 0, "the cell must put atoms within the cutoff of their own images"
+    assert sum(r["pairs"] for r in res) == serial_pairs.n_edges, f"{where}: a pair counted twice or never"
+    gid = str(nranks)
+    assert_parity(res[0]["energy"], ref.energy, grid=gid, what=f"energy {where}")
+    assert_parity(by_id(res, "forces", system.ids), ref.forces, grid=gid, what=f"forces {where}")
+    assert_parity(res[0]["virial"], ref.virial, grid=gid, what=f"virial {where}")
