@@ -112,9 +112,23 @@ def test_cli_md_mace_default_model_and_species_error(tmp_path, capsys):
     r = run_md(_parse(argv + ["--json"]))  # no --model: the embedded random-weight MACE
     ref = mace_native(build_mace(), make_system().to_ase())
     assert abs(r["energy"] - float(ref["energy"][0])) <= 1e-10 * abs(float(ref["energy"][0]))
-    # argon is not one of the model's species: a clear error, raised on every rank together
+    # the embedded default structure (argon) on the embedded default model: the random MACE is
+    # built for its default species and the structure's
+    r = run_md(_parse(["--atoms", "32", "--potential", "mace", "--ranks", "2", "--steps", "1", "--json"]))
+    from twinshard.atoms.driver import MDConfig, load_structure
+
+    argon = load_structure(MDConfig(atoms=32, potential="mace"))
+    ref = mace_native(build_mace(species=(1, 6, 8, 18, 29)), argon.to_ase())
+    assert abs(r["energy"] - float(ref["energy"][0])) <= 1e-10 * abs(float(ref["energy"][0]))
+    # argon is not one of a saved model's species: a clear error, raised on every rank together
+    path = tmp_path / "hcocu.model"
+    torch.save(build_mace(), path)
     with pytest.raises(Exception, match=r"no parameters for atomic numbers \[18\]"):
-        run_md(_parse(["--atoms", "32", "--potential", "mace", "--ranks", "2", "--steps", "1"]))
+        run_md(
+            _parse(
+                ["--atoms", "32", "--potential", "mace", "--model", str(path), "--ranks", "2", "--steps", "1"]
+            )
+        )
     with pytest.raises(Exception, match="--model is an option of --potential mace"):
         run_md(_parse(["--atoms", "32", "--model", "x.model", "--steps", "1"]))
 

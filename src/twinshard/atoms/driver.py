@@ -212,8 +212,9 @@ def potential_from_config(cfg: MDConfig, species: list[int]) -> Any:
     """The potential ``twinshard md`` options describe, for the given atomic numbers.
 
     ``mace``: the saved model ``cfg.model`` (mace-torch's ``torch.save``; :func:`load_mace`) or,
-    without it, the small random-weight MACE (:func:`build_mace`), behind :class:`MaceAdapter`;
-    a species of the structure the model does not know raises (a clear ValueError)."""
+    without it, the small random-weight MACE (:func:`build_mace`) for its default species and
+    the structure's (so the embedded argon box runs), behind :class:`MaceAdapter`; a species of
+    the structure a saved model does not know raises (a clear ValueError)."""
     if cfg.model is not None and cfg.potential != "mace":
         raise ValueError("--model is an option of --potential mace")
     if cfg.potential == "mace":
@@ -221,9 +222,10 @@ def potential_from_config(cfg: MDConfig, species: list[int]) -> Any:
             raise ValueError("--epsilon/--sigma/--lj/--no-shift are options of --potential lj")
         if cfg.cutoff is not None:
             raise ValueError("--cutoff: a MACE model has its own cutoff (r_max)")
-        from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, load_mace
+        from twinshard.atoms.potentials.mace import DEFAULT_SPECIES, MaceAdapter, build_mace, load_mace
 
-        adapter = MaceAdapter(load_mace(cfg.model) if cfg.model else build_mace())
+        known = sorted(set(DEFAULT_SPECIES) | set(species))  # replicated: species are agreed
+        adapter = MaceAdapter(load_mace(cfg.model) if cfg.model else build_mace(species=known))
         adapter.check_species(species)
         return adapter
     kw: dict[str, Any] = {} if cfg.cutoff is None else {"cutoff": cfg.cutoff}
