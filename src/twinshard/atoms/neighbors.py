@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from twinshard.atoms.cells import cell_problem, complete_cell
+
 __all__ = ["Edges", "RadiusGraph", "neighbor_list", "half_of", "lex_positive", "VerletList", "within_cutoff"]
 
 
@@ -69,7 +71,7 @@ def neighbor_list(
             integer data, gradients flow through :meth:`Edges.vectors`).
         cutoff: interaction range in Angstrom (> 0).
         cell: ``[3, 3]`` rows = lattice vectors; may be ``None``/zero when no
-            axis is periodic.
+            axis is periodic; rows of non-periodic axes may be zero (a slab's ``cell[2]``).
         pbc: per-axis periodicity (bool or 3 bools).
         sort: order edges by (receiver, sender, shift) so the list is
             independent of vesin's internal traversal order.
@@ -83,11 +85,14 @@ def neighbor_list(
         pbc_t = pbc_t.expand(3)
     if cell is None:
         cell = torch.zeros(3, 3, dtype=dtype, device=device)
-    cell_np = cell.detach().cpu().double().numpy()
     periodic = [bool(p) for p in pbc_t.tolist()]
-    if any(periodic) and abs(np.linalg.det(cell_np)) < 1e-12:
-        raise ValueError("periodic neighbour list needs a cell of non-zero volume")
-    if not any(periodic):
+    if any(periodic):
+        problem = cell_problem(cell, periodic)
+        if problem is not None:
+            raise ValueError(f"periodic neighbour list: {problem}")
+        # a slab's or wire's zero (non-periodic) rows completed by normals: no shift along them
+        cell_np = complete_cell(cell, periodic)[0].numpy()
+    else:
         cell_np = np.zeros((3, 3))
     pos_np = positions.detach().cpu().double().numpy()
     n = pos_np.shape[0]

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from twinshard.atoms.cells import cell_problem, complete_cell, is_singular
+
 __all__ = [
     "PartitionError",
     "SpatialPartition",
@@ -152,8 +154,9 @@ class SpatialPartition:
                 slabs only.
             grid: force a rank grid; default: the factorisation of P with the
                 smallest halo-carrying surface among those that fit.
-            positions: needed only when the cell is all zeros (a molecule in
-                vacuum): then an orthorhombic box around the atoms is used.
+            positions: needed only when the cell lacks rows (zero rows along open axes:
+                a molecule in vacuum, a slab's ``cell[2]``): each is replaced by the normal
+                to the other rows, spanning the atoms (a molecule: the box around them).
 
         Raises:
             PartitionError: names the axis, the slab and ghost widths, and how
@@ -163,21 +166,21 @@ class SpatialPartition:
         if len(pbc_t) != 3:
             raise PartitionError(f"pbc must have 3 entries, got {pbc_t}")
         cell = _as_cell(cell).clone()
+        problem = cell_problem(cell, pbc_t)
+        if problem is not None:
+            raise PartitionError(problem)
         origin = torch.zeros(3, dtype=torch.float64, device="cpu")
-        lengths = torch.linalg.vector_norm(cell, dim=1)
-        if bool((lengths < 1e-12).any()):
-            if any(pbc_t) or positions is None:
+        if is_singular(cell):
+            # Missing non-periodic rows (a molecule in vacuum, a slab's zero cell[2]): each is
+            # replaced by the normal to the others, spanning the atoms from an origin at their
+            # lowest projection (a molecule: the box around them). The axis is open, so nothing
+            # leaves it for good (its outer slabs extend to infinity).
+            if positions is None:
                 raise PartitionError(
-                    "the cell has a zero lattice vector; a periodic system needs a full cell, and "
-                    "an open one needs positions to put a box around it"
+                    "the cell has a zero lattice vector along an open axis: a spatial partition "
+                    "needs the positions to span the atoms along it (pass positions=...)"
                 )
-            # Molecule in vacuum: a box around the atoms; every axis is open so
-            # nothing leaves it for good (outer slabs extend to infinity).
-            x = torch.as_tensor(positions, device="cpu").to(torch.float64)
-            lo = x.min(0).values if x.shape[0] else torch.zeros(3, dtype=torch.float64, device="cpu")
-            hi = x.max(0).values if x.shape[0] else torch.ones(3, dtype=torch.float64, device="cpu")
-            cell = torch.diag(torch.clamp(hi - lo, min=1.0))
-            origin = lo
+            cell, origin = complete_cell(cell, pbc_t, torch.as_tensor(positions, device="cpu"))
         if abs(float(torch.linalg.det(cell))) < 1e-12:
             raise PartitionError("the cell is singular (its lattice vectors are coplanar)")
         w = float(ghost_width)
@@ -340,8 +343,11 @@ class BlockPartition:
         """Split ``natoms`` ids into ``nranks`` blocks whose sizes differ by at most one."""
         pbc_t = tuple(bool(p) for p in (pbc.tolist() if isinstance(pbc, torch.Tensor) else pbc))
         cell = _as_cell(cell)
-        if any(pbc_t) and abs(float(torch.linalg.det(cell))) < 1e-12:
-            raise PartitionError("a periodic system needs a non-singular cell")
+        problem = cell_problem(cell, pbc_t)
+        if problem is not None:
+            raise PartitionError(problem)
+        if any(pbc_t) and is_singular(cell):  # a slab or wire: its missing rows by unit normals
+            cell = complete_cell(cell, pbc_t)[0]
         if nranks < 1:
             raise PartitionError(f"need at least one rank, got {nranks}")
         base, extra = divmod(int(natoms), nranks)

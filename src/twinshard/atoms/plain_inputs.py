@@ -214,8 +214,9 @@ def block_inputs(
     else:
         pos = x
     cell = sharded.cell.to(x.device, x.dtype)
-    # halo rows are plain copies of their owners' rows; the edge shifts carry every image
-    block = torch.cat([x.detach(), plan.forward_copy(x.detach(), op="halo_radius")]) if nh else x
+    # halo rows are plain copies of their owners' rows; the edge shifts carry every image. Every
+    # rank takes part (a rank without halo rows may still send rows to its neighbours)
+    block = torch.cat([x.detach(), plan.forward_copy(x.detach(), op="halo_radius")])
     senders, receivers, shifts = sharded.radius_graph(
         block, e.senders, e.receivers, sharded.edge_shifts(x.dtype, x.device), rc
     )
@@ -235,7 +236,32 @@ def _call(dp: Any, sharded: ShardedSystem, data: dict, **flags: Any) -> dict:
     named = list(dp.module.named_parameters())
     synced = sync_params([p for _, p in named], sharded.group)
     with lazy_halo():  # scatters leave the halo STALE: one exchange per layer, as a refresh hook
-        return functional_call(dp.module, {n: p for (n, _), p in zip(named, synced)}, (data,), flags)
+        out = functional_call(dp.module, {n: p for (n, _), p in zip(named, synced)}, (data,), flags)
+    _check_per_atom_outputs(dp.module, data, out)
+    return out
+
+
+def _check_per_atom_outputs(model: Any, data: dict, out: dict) -> None:
+    """A model run on ShardTensor inputs returns its per-atom results (``node_energy``,
+    ``forces``) as ShardTensors: they came from the dispatch (forces: the gradient with respect to
+    the positions ShardTensor, whose halo contributions the gather's adjoint sent to their
+    owners). A PLAIN per-atom result was computed outside it, e.g. edge gradients scattered into
+    a fresh ``torch.zeros(n_local, 3)`` (a LAMMPS-style force head), and its halo rows' partial
+    sums never reach their owners: refuse it rather than hand back a silently wrong result.
+    The types come from the model's code, so every rank raises (no collective is pending)."""
+    if not isinstance(data["positions"], ShardTensor):
+        return  # plain inputs (one rank, no halo): the model ran as serially
+    for key in ("node_energy", "forces"):
+        v = out.get(key)
+        if isinstance(v, torch.Tensor) and not isinstance(v, ShardTensor):
+            raise ValueError(
+                f"{type(model).__name__} returned its per-atom {key!r} as a plain tensor from ShardTensor "
+                "inputs: it was computed outside the dispatch (e.g. edge gradients scattered into a plain "
+                "buffer of the block's rows), so the partial sums of halo rows never reach their owners. "
+                "Compute it from the positions (torch.autograd.grad of the energy with respect to "
+                'data["positions"]), or scatter into a buffer made from a per-atom input '
+                "(torch.zeros_like(positions)), so the dispatch sees it"
+            )
 
 
 def _owned(t: torch.Tensor, n: int) -> torch.Tensor:

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from twinshard.atoms.cells import check_cell, complete_cell, is_singular
+
 __all__ = ["System", "default_masses"]
 
 _N_ELEMENTS = 118
@@ -64,7 +66,8 @@ class System:
             into the cell (MD never wraps; wrap with :meth:`wrapped` for output).
         numbers: ``[n]`` int64 atomic numbers.
         cell: ``[3, 3]`` lattice vectors as rows; any triclinic cell. Rows of
-            non-periodic axes may be zero (open box).
+            non-periodic axes may be zero (open box; a slab ``pbc = (T, T, F)`` with
+            ``cell[2] = 0``); periodic rows must be non-zero and independent.
         pbc: ``[3]`` bool, periodic boundary per axis.
         masses: ``[n]`` amu; ``None`` means the standard mass of each element.
         velocities: ``[n, 3]``; ``None`` means zeros.
@@ -157,13 +160,7 @@ class System:
                 f"cell must be a finite 3x3 matrix (rows = lattice vectors), "
                 f"got shape {list(self.cell.shape)}"
             )
-        if bool(self.pbc.any()):
-            if abs(float(torch.linalg.det(self.cell))) < 1e-12:
-                raise ValueError(
-                    "a periodic system needs a cell of non-zero volume, got cell="
-                    f"{self.cell.tolist()}; give three lattice vectors or set pbc=False for an "
-                    "open box"
-                )
+        check_cell(self.cell, self.pbc)  # periodic rows non-zero and independent; open rows may be zero
         for k, v in self.arrays.items():
             if v.dim() == 0 or v.shape[0] != n:
                 raise ValueError(
@@ -185,21 +182,30 @@ class System:
 
     @property
     def volume(self) -> float:
-        """Cell volume (|det cell|); 0 for an open box without a cell."""
+        """Cell volume (|det cell|); 0 for an open box without a cell, or a slab / wire whose
+        non-periodic rows are zero (no 3-D volume: no stress, see :mod:`twinshard.atoms.cells`)."""
         return abs(float(torch.linalg.det(self.cell)))
 
     def kinetic_energy(self) -> torch.Tensor:
         return 0.5 * (self.masses[:, None] * self.velocities**2).sum()
 
+    def _full_cell(self) -> torch.Tensor:
+        """The cell with missing (zero, non-periodic) rows completed by unit normals, as ASE's
+        ``complete_cell``: the basis of :meth:`scaled_positions` (the cell itself when it has a volume)."""
+        if not is_singular(self.cell):
+            return self.cell
+        return complete_cell(self.cell, self.pbc)[0].to(self.positions.device, self.positions.dtype)
+
     def scaled_positions(self) -> torch.Tensor:
-        """Fractional coordinates (not wrapped)."""
-        return torch.linalg.solve(self.cell.T, self.positions.T).T
+        """Fractional coordinates (not wrapped); along a missing non-periodic row (a slab's zero
+        ``cell[2]``), the cartesian distance along its unit normal, as ASE gives them."""
+        return torch.linalg.solve(self._full_cell().T, self.positions.T).T
 
     def wrapped(self) -> torch.Tensor:
         """Positions wrapped into the cell along periodic axes."""
         frac = self.scaled_positions()
         frac = torch.where(self.pbc, frac - torch.floor(frac), frac)
-        return frac @ self.cell
+        return frac @ self._full_cell()
 
     # ------------------------------------------------------------- transforms
     def select(self, index: torch.Tensor | Sequence[int] | slice) -> System:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import socket
 import traceback
 from dataclasses import dataclass
@@ -184,7 +185,49 @@ def free_port() -> int:
 
 
 def format_exception(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    """``exc``'s traceback as text (its causes and notes included), as a rank reports it. An
+    exception without a message of its own (an empty ``str``, or a TorchScript error that lost
+    the text of a Python exception raised inside scripted code) gets a last line saying so: its
+    type, its ``repr``, the first cause with a message, and how to see the lost text."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    note = empty_message_note(exc)
+    return text if note is None else text.rstrip("\n") + "\n" + note + "\n"
+
+
+_BARE_LINE = re.compile(r"^\s*[\w.]+:\s*$")  # "RuntimeError:" and nothing after it
+
+
+def no_message(exc: BaseException) -> bool:
+    """Has ``exc`` no message of its own: an empty ``str``, or a TorchScript error whose last
+    line names an error type and nothing else (``RuntimeError:``)?"""
+    text = str(exc).rstrip()
+    return not text or ("TorchScript" in text and bool(_BARE_LINE.match(text.splitlines()[-1])))
+
+
+def empty_message_note(exc: BaseException) -> str | None:
+    """The line :func:`format_exception` adds for an exception without a message (None if it has one)."""
+    if not no_message(exc):
+        return None
+    kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    script = "TorchScript" in str(exc)
+    lines = [
+        f"(twinshard: this {kind} has no message of its own" + ("" if script else f"; repr: {exc!r:.300}")
+    ]
+    seen, cause = {id(exc)}, exc.__cause__ or exc.__context__
+    while cause is not None and id(cause) not in seen and no_message(cause):
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None and id(cause) not in seen:
+        first = str(cause).strip().splitlines()[0][:300]
+        lines.append(f"; its cause: {type(cause).__qualname__}: {first}")
+    if script:
+        lines.append(
+            "; it was raised inside TorchScript code, which drops the text of a Python exception "
+            "raised there (a tensor subclass's __torch_dispatch__, a Python kernel of a custom op): "
+            "the TorchScript traceback above shows where; run with PYTORCH_JIT=0 (scripting off) to "
+            "see the Python error itself"
+        )
+    return "".join(lines) + ")"
 
 
 def failure_payload(exc: BaseException) -> str | RankFailure:

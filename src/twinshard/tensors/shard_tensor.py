@@ -44,6 +44,12 @@ rows and decides what comes out:
   (:mod:`twinshard.tensors.custom_ops`), which hands it local rows.
   Autograd's own backward ops (which run here with ShardTensor gradients) are
   exempt: their communication is in the handlers' adjoints.
+
+Blocks of one atom row or none see lowerings the others do not (``tensordot`` to one
+channel becomes ``dot`` of the row; ``view(0, -1)`` is ambiguous): the exact local answer
+for them is in :mod:`twinshard.tensors.small_blocks`. What ``__torch_dispatch__`` raises is
+recorded there too, so that ``__torch_function__`` re-raises it (its type, message, traceback)
+when TorchScript, which drops a Python exception's text, hands back an empty ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -189,41 +195,67 @@ class ShardTensor(torch.Tensor):
 
         handler = REGISTRY.match(func, args, kwargs)
         with _calling(_fn_name(func)):
-            if handler is not None:
-                return handler.run(func, args, kwargs)
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
+            try:
+                if handler is not None:
+                    return handler.run(func, args, kwargs)
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+            except Exception as exc:  # TorchScript drops the text of what the dispatch raised
+                raised = _small.resurface(exc)
+                if raised is None:
+                    raise
+                raise raised from exc
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        sts = [a for a in _leaves((args, kwargs)) if isinstance(a, ShardTensor)]
-        if not in_backward():
-            check_atom_op(func, args, kwargs)
-        largs, lkwargs = _map_tensors(_unwrap, (args, kwargs))
-        out = func(*largs, **lkwargs)
-        schema = func._schema
-        written = [
-            i
-            for i, a in enumerate(schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write and i < len(args)
-        ]
-        if written:  # in place: the wrappers stay, their state follows the op
-            for i in written:
-                w = args[i]
-                if isinstance(w, ShardTensor) and w._spec.halo:
-                    w._spec = w._spec.with_state(_mutated_state(func, w, args))
-            if len(schema.returns) == 1 and schema.returns[0].alias_info is not None:
-                return args[written[0]]
-            return out
-        grouped = _row_view(func, args, out)
-        if grouped is not None:
-            return grouped
-        spec = _out_spec(func, args, sts)
-        if spec is None:
-            return out
-        n = _rows_of(args, sts)
-        return _map_tensors(lambda t: _rewrap(t, spec, n, func, args), out)
+        try:
+            return _dispatch(func, args, kwargs or {})
+        except Exception as exc:
+            _small.record(exc)  # for __torch_function__: inside TorchScript its message is lost
+            raise
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``ShardTensor.__torch_dispatch__``: the op on the local rows, then the output's spec."""
+    sts = [a for a in _leaves((args, kwargs)) if isinstance(a, ShardTensor)]
+    if not in_backward():
+        if func in _small.ONE_ATOM_CONTRACTIONS:  # a block of one atom: dot over its own row
+            one = _small.one_atom_contraction(func, args, kwargs)
+            if one is not None:
+                return one
+        check_atom_op(func, args, kwargs)
+    largs, lkwargs = _map_tensors(_unwrap, (args, kwargs))
+    if func in _small.SHAPED_VIEWS and len(largs) > 1:  # view(0, -1) of a block without rows
+        shape = _small.resolve_empty_view(args[0], largs[1])
+        if shape is not None:
+            largs = (largs[0], shape, *largs[2:])
+    out = func(*largs, **lkwargs)
+    if func is aten.mul.Tensor and _small.in_dot_backward():
+        return out  # a one-atom dot's gradient of its plain operand: a local sum, plain
+    schema = func._schema
+    written = [
+        i
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write and i < len(args)
+    ]
+    if written:  # in place: the wrappers stay, their state follows the op
+        for i in written:
+            w = args[i]
+            if isinstance(w, ShardTensor) and w._spec.halo:
+                w._spec = w._spec.with_state(_mutated_state(func, w, args))
+            if isinstance(w, ShardTensor) and not in_backward():
+                _write_through(w)
+        if len(schema.returns) == 1 and schema.returns[0].alias_info is not None:
+            return args[written[0]]
+        return out
+    grouped = _row_view(func, args, out)
+    if grouped is not None:
+        return grouped
+    spec = _out_spec(func, args, sts)
+    if spec is None:
+        return out
+    n = _rows_of(args, sts)
+    return _map_tensors(lambda t: _rewrap(t, spec, n, func, args), out)
 
 
 def _unwrap(t: Any) -> Any:
@@ -345,7 +377,10 @@ def _combine(func: Any, args: tuple, ref: ShardTensor) -> HaloState:
         if isinstance(a, ShardTensor):
             if a._spec.per_atom and a.state != HaloState.FRESH:
                 return HaloState.STALE
-        elif pointwise and isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n and n > 1:
+        elif pointwise and isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n and n != 1:
+            # a plain operand with the block's rows is per-row (STALE), on a block without rows
+            # too (the state must not depend on the row count: the next gather's refresh is a
+            # collective); one row is ambiguous with a broadcast operand and is taken as one
             return HaloState.STALE
     return HaloState.FRESH
 
@@ -361,6 +396,27 @@ def _mutated_state(func: Any, w: ShardTensor, args: tuple) -> HaloState:
     if w.state != HaloState.FRESH:
         return w.state
     return _combine(func, args, w)
+
+
+def _write_through(view: ShardTensor) -> None:
+    """An in-place write into a view of a halo-padded ShardTensor sets the base's state too (the
+    view is a new wrapper: its state alone would change). e3nn's ``Extract`` (inside ``Gate``)
+    fills a FRESH ``new_zeros`` buffer column by column, ``out.narrow(-1, a, n).copy_(x)``: from a
+    STALE ``x`` the buffer is STALE, else the next gather would read its halo rows unrefreshed.
+    A view of the same rows (other columns): FRESH and STALE give STALE; PARTIAL meets only
+    PARTIAL (a halo mixing partial sums and copies has no state: raises)."""
+    base = view._base
+    if not isinstance(base, ShardTensor) or base is view or not (base._spec.halo and view._spec.halo):
+        return
+    old, new = base.state, view.state
+    if old == new:
+        return
+    if HaloState.PARTIAL in (old, new):
+        raise UnhandledAtomOp(
+            f"an in-place write of a {new.value} view into a {old.value} halo-padded tensor: its halo "
+            "rows would hold partial sums in some columns and copies in others"
+        )
+    base._spec = base._spec.with_state(HaloState.STALE)
 
 
 def _out_spec(func: Any, args: tuple, sts: list[ShardTensor]) -> ShardSpec | None:
@@ -612,3 +668,7 @@ def from_local(local: torch.Tensor, spec: ShardSpec) -> ShardTensor:
 def to_local(x: torch.Tensor) -> torch.Tensor:
     """The local rows of a ShardTensor (differentiable); a plain tensor passes through."""
     return _ToLocal.apply(x) if isinstance(x, ShardTensor) else x
+
+
+# the one-atom / no-atom lowerings and the TorchScript error record (imports ShardTensor from here)
+from twinshard.tensors import small_blocks as _small  # noqa: E402
