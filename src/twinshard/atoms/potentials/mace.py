@@ -223,17 +223,11 @@ class MaceAdapter(nn.Module):
         """The model's own evaluation path, mace-torch's calculator (:func:`mace_native`), as
         :class:`~twinshard.atoms.potentials.base.Results` in the positions' dtype: the serial
         oracle of ``--check-serial`` and ``validate`` (``plain_inputs.evaluate_reference``)."""
-        from twinshard.atoms.potentials.base import Results
+        from twinshard.atoms.potentials.oracle import native_results
 
-        got = mace_native(self.model, system.to_ase(), compute_stress, head=self.head)
-        dtype, dev = system.positions.dtype, system.positions.device
-        stress = got.get("stress")
-        stress = None if stress is None else stress.to(dev, dtype)
-        virial = None if stress is None else -system.volume * stress
-        return Results(
-            got["energy"][0].to(dev, dtype), got["node_energy"].to(dev, dtype), got["forces"].to(dev, dtype),
-            stress, virial,
-        )  # fmt: skip
+        return native_results(
+            mace_native(self.model, system.to_ase(), compute_stress, head=self.head), system
+        )
 
     def native_call(self, system: Any) -> tuple[nn.Module, tuple, dict[str, Any]]:
         """``(module, args, flags)``: the MACE module, mace's own input batch of ``system`` (its
@@ -358,22 +352,7 @@ def mace_native(
 ) -> dict[str, torch.Tensor]:
     """Serial MACE through mace-torch's own evaluation path, its ASE calculator
     (:func:`mace_calculator`: its neighbour list, ``AtomicData``, batching, dtype casts): the
-    oracle. ``energy [1]``, ``node_energy [n]``, ``forces [n, 3]`` and, with ``compute_stress``
-    and a cell with a volume, ``stress [3, 3]`` (ASE's sign), as float64 tensors (what the
-    calculator hands ASE: the model's precision, widened; ``node_energy`` is its ASE ``energies``,
-    E0 included)."""
-    from ase.stress import voigt_6_to_full_3x3_stress
+    oracle, read by :func:`~twinshard.atoms.potentials.oracle.calculator_results`."""
+    from twinshard.atoms.potentials.oracle import calculator_results
 
-    atoms = atoms.copy()
-    atoms.calc = mace_calculator(model, head)
-    props = ["energy", "forces"] + (["stress"] if compute_stress and atoms.cell.volume > 0 else [])
-    atoms.calc.calculate(atoms, properties=props)
-    got = atoms.calc.results
-
-    def t(v: Any) -> torch.Tensor:
-        return torch.as_tensor(v, dtype=torch.float64)
-
-    res = {"energy": t([got["energy"]]), "node_energy": t(got["energies"]), "forces": t(got["forces"])}
-    if "stress" in props:
-        res["stress"] = t(voigt_6_to_full_3x3_stress(got["stress"]))
-    return res
+    return calculator_results(atoms, mace_calculator(model, head), compute_stress)

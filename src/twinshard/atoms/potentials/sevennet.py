@@ -193,17 +193,9 @@ class SevenNetAdapter(nn.Module):
     def native(self, system: Any, compute_stress: bool = True) -> Any:
         """sevenn's own calculator (:func:`sevennet_native`) as
         :class:`~twinshard.atoms.potentials.base.Results` in the positions' dtype: the oracle."""
-        from twinshard.atoms.potentials.base import Results
+        from twinshard.atoms.potentials.oracle import native_results
 
-        got = sevennet_native(self.model, system.to_ase(), compute_stress)
-        dtype, dev = system.positions.dtype, system.positions.device
-        stress = got.get("stress")
-        stress = None if stress is None else stress.to(dev, dtype)
-        virial = None if stress is None else -system.volume * stress
-        return Results(
-            got["energy"][0].to(dev, dtype), got["node_energy"].to(dev, dtype), got["forces"].to(dev, dtype),
-            stress, virial,
-        )  # fmt: skip
+        return native_results(sevennet_native(self.model, system.to_ase(), compute_stress), system)
 
     def sevenn_inputs(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """sevenn's data dict from twinshard's plain-model dict (ShardTensors pass through)."""
@@ -279,18 +271,6 @@ def sevennet_native(model: nn.Module, atoms: Any, compute_stress: bool = True) -
     """Serial SevenNet through sevenn's own ASE calculator (:func:`sevennet_calculator`): the
     oracle. ``energy [1]``, ``node_energy [n]`` (its ASE ``energies``), ``forces [n, 3]`` and,
     with ``compute_stress`` and a cell with a volume, ``stress [3, 3]`` (ASE's sign), float64."""
-    from ase.stress import voigt_6_to_full_3x3_stress
+    from twinshard.atoms.potentials.oracle import calculator_results
 
-    atoms = atoms.copy()
-    atoms.calc = sevennet_calculator(model)
-    props = ["energy", "forces"] + (["stress"] if compute_stress and atoms.cell.volume > 0 else [])
-    atoms.calc.calculate(atoms, properties=props)
-    got = atoms.calc.results
-
-    def t(v: Any) -> torch.Tensor:
-        return torch.as_tensor(v, dtype=torch.float64)
-
-    res = {"energy": t([got["energy"]]), "node_energy": t(got["energies"]), "forces": t(got["forces"])}
-    if "stress" in props:
-        res["stress"] = t(voigt_6_to_full_3x3_stress(got["stress"]))
-    return res
+    return calculator_results(atoms, sevennet_calculator(model), compute_stress)
