@@ -16,12 +16,14 @@ all_to_all — so its backward is the exact adjoint, tested with ``adjoint_pair`
     halo-padded ShardTensor: a STALE one is refreshed first (forward exchange of
     the owned rows into the halo; backward: halo gradients summed onto their
     owners), a PARTIAL one is corrected first; then the local gather. The
-    refreshed tensor is cached on the stale one until it is modified in place.
+    refreshed tensor is cached on the stale one until it (or its local rows) is modified in
+    place.
 ``halo_correction``
     ``index_add(_)`` / ``scatter_add(_)`` along dim 0 into a halo-padded
     ShardTensor: the contributions are scattered locally, the halo rows' partial
     sums go to their owners (reverse exchange) and the owners' totals come back
-    into the halo (forward exchange), so the result keeps the target's state.
+    into the halo (forward exchange), so the result keeps the target's state (a PARTIAL
+    target stays PARTIAL: the contributions are added to its local rows, no exchange).
     Inside :func:`lazy_halo` (``DistributedPotential(mode="dispatch")`` runs models
     there) the forward exchange is left to the next gather: the result is STALE
     (owned rows complete, halo rows zero), and when no rank's index hits a halo row
@@ -61,6 +63,9 @@ all_to_all — so its backward is the exact adjoint, tested with ``adjoint_pair`
     ``torch.autograd.grad`` with ShardTensor inputs beside plain ones (a strain
     or displacement every rank applies, as MACE's stress): the plain inputs are
     replicated, so their gradients are per-rank partial sums and are all-reduced.
+
+No index handler takes an ``out=`` buffer: such a call takes the default path, which raises
+over the atom dimension (``UnhandledAtomOp``, on every rank).
 
 Plain per-row tensors. A model may allocate a plain tensor from a per-atom *count* and fill it
 from plain per-edge values (mace's ZBL: ``scatter_sum(v_edges, receiver, dim=0,
@@ -238,6 +243,8 @@ def parse_index_call(func: Any, args: tuple, kwargs: dict) -> IndexCall | None:
     name = getattr(func, "__name__", "")
     if name not in _GATHERS and name not in _SCATTERS or not args:
         return None
+    if kwargs.get("out") is not None:  # no handler writes an out= buffer: the default path raises
+        return None
     t = args[0]
     if not isinstance(t, torch.Tensor):
         return None
@@ -307,8 +314,13 @@ def fresh(x: ShardTensor) -> ShardTensor:
     owners' rows (forward exchange), a PARTIAL one's halo partial sums go to the owners first."""
     if x.state == HaloState.FRESH:
         return x
+    # the kept refresh is stale once x is written in place, through the wrapper (x._version) or
+    # its local rows (to_local(x)[:n] += ...: _local._version), and has no graph if it was built
+    # under no_grad (a gather with grad then would silently drop x's gradient)
+    version = (x._version, x._local._version)
+    linked = torch.is_grad_enabled() and x.requires_grad
     cached = getattr(x, "_fresh_cache", None)
-    if cached is not None and cached[0] == x._version:
+    if cached is not None and cached[0] == version and (cached[1].requires_grad or not linked):
         return cached[1]
     plan = x.plan
     local = to_local(x)
@@ -317,7 +329,7 @@ def fresh(x: ShardTensor) -> ShardTensor:
     if x.state == HaloState.PARTIAL:
         own = own + plan.reverse(local[n:])
     out = from_local(torch.cat([own, plan.forward(own)]), x._spec.with_state(HaloState.FRESH))
-    x._fresh_cache = (x._version, out)
+    x._fresh_cache = (version, out)
     return out
 
 
@@ -365,6 +377,10 @@ def _run_correction(func: Any, args: tuple, kwargs: dict) -> Any:
     index = _plain(c.index)
     contrib = _local_scatter(c, torch.zeros_like(local), index, to_local(c.source))
     n = plan.n_owned
+    if base.state == HaloState.PARTIAL:  # partial sums stay partial: the local scatter is exact
+        if c.inplace:
+            return base.add_(from_local(contrib, base._spec))
+        return from_local(local + contrib, base._spec)
     if _LAZY[0]:
         if _hits_halo(index, n, base.group):
             own = contrib[:n] + plan.reverse(contrib[n:])

@@ -366,6 +366,8 @@ def _combine(func: Any, args: tuple, ref: ShardTensor) -> HaloState:
         return HaloState.STALE
     if func in _INDEX_BY:  # the rows come from the index, not from the (replicated) table
         idx = [a for a in flat[1:] if isinstance(a, ShardTensor) and a._spec.per_atom]
+        if isinstance(args[0], ShardTensor) and args[0]._spec.per_atom:  # a per-atom table along
+            idx.append(args[0])  # another dim (x.index_select(1, c), x[:, c]) keeps its rows' state
         return HaloState.FRESH if all(t.state == HaloState.FRESH for t in idx) else HaloState.STALE
     # stack / cat along another dim pair their operands' rows as a pointwise op does
     pointwise = torch.Tag.pointwise in func.tags or func in (
