@@ -116,6 +116,30 @@ MUTATIONS: list[Mutation] = [
         'return permute(x, ranks[(i - k) % n], ranks[(i + k) % n], recv_shape, op="ring_shift")',
         ("tests/comm/test_adjoint.py", "tests/pair/test_triangle.py"),
     ),
+    M(
+        "exchange_dtype_mismatch_unchecked",
+        "missing validation",
+        "comm/ops.py",
+        "    if len(sent) > 1:",
+        "    if False:",
+        ("tests/comm/test_exchange_grad.py",),
+    ),
+    M(
+        "exchange_mixed_sends_unchecked",
+        "silent cast",
+        "comm/ops.py",
+        "    if _MIXED in ranks_of:",
+        "    if False:",
+        ("tests/comm/test_exchange_grad.py",),
+    ),
+    M(
+        "exchange_uncarried_dtype_unchecked",
+        "missing validation",
+        "comm/ops.py",
+        "    if _UNCARRIED in ranks_of:",
+        "    if False:",
+        ("tests/comm/test_exchange_grad.py",),
+    ),
     # -- testing: the harness's own checks
     M(
         "replication_nan_unequal",
@@ -346,6 +370,56 @@ MUTATIONS: list[Mutation] = [
         "dblk = ds.sum(1) if dblk is None else dblk.add_(ds.sum(1))",
         "dblk = ds.sum(1)",
         ("tests/pair/test_triangle_attention.py",),
+    ),
+    # (the clamp of P's normaliser dropped in the CP forward is caught by test_train_step already:
+    # padding has no target mass; what only real empty pairs show is the convention itself)
+    M(
+        "distogram_empty_pairs_left_out_of_mean",
+        "wrong convention",
+        "pair/layers/distogram.py",
+        "w = pair_weight.to(ct)",
+        "w = pair_weight.to(ct) * (target.sum(-1) > 0)",
+        ("tests/pair/test_distogram.py",),
+    ),
+    M(
+        "distogram_empty_target_grad_unmasked",
+        "wrong adjoint",
+        "pair/layers/distogram.py",
+        "torch.softmax(logits, dim=-1) * p.sum(-1, keepdim=True) - p",
+        "torch.softmax(logits, dim=-1) - p",
+        ("tests/pair/test_distogram.py",),
+    ),
+    M(
+        "distogram_ref_empty_target_clamp_dropped",
+        "division by zero",
+        "pair/reference/distogram.py",
+        "p = target / target.sum(-1, keepdim=True).clamp(min=1)",
+        "p = target / target.sum(-1, keepdim=True)",
+        ("tests/pair/test_distogram.py",),
+    ),
+    M(
+        "stack_training_not_agreed",
+        "missing agreement",
+        "pair/layers/pairformer.py",
+        '            "training": self.training,\n',
+        "",
+        ("tests/pair/test_pairformer_cp.py::test_control_scalars_must_agree",),
+    ),
+    M(
+        "stack_dropout_p_not_agreed",
+        "missing agreement",
+        "pair/layers/pairformer.py",
+        '            "dropout_p": tuple(m.p for m in sites),\n',
+        "",
+        ("tests/pair/test_pairformer_cp.py::test_control_scalars_must_agree",),
+    ),
+    M(
+        "trunk_single_weight_not_agreed",
+        "missing agreement",
+        "pair/train.py",
+        '{"single_weight": self.single_weight, "target_shape": tuple(target.shape)}',
+        '{"target_shape": tuple(target.shape)}',
+        ("tests/pair/test_train_step.py::test_trunk_control_scalars_must_agree",),
     ),
     M(
         "edge_shift_cache_ignores_cell",
@@ -585,6 +659,7 @@ MUTATIONS: list[Mutation] = [
         "return torch.where(ok, (ids + off[max(rank - 1, 0)]) % max(n, 1), ids)",
         ("tests/atoms/test_graph_storage.py",),
     ),
+    # -- tensors: dispatch situations (tests/tensors/test_dispatch_situations.py)
     M(
         "lazy_halo_vote_needs_every_rank",
         "unagreed control flow",

@@ -244,6 +244,35 @@ def test_distogram_head_and_loss_vs_boltz(boltz_fp64):
     )
 
 
+def test_distogram_loss_empty_targets_vs_boltz(boltz_fp64):
+    """Token pairs with no target mass (a token's row, one pair, both conformers' counts zero) on
+    real tokens: Boltz normalises by max(1, mass), so they add nothing yet count in the mean's
+    denominator; the reference (and through tests/pair/test_distogram.py its CP twin) does the same."""
+    n, nb = 7, 8
+    theirs, ours = BoltzDistogram(4, nb), DistogramHead(4, nb)
+    load_into(ours, theirs, seed=24)
+    z = synthetic(B, n, n, 4, seed=25).requires_grad_()
+    target = distogram_target(synthetic(B, n, 2, 3, seed=26, scale=8.0), num_bins=nb)
+    target[0, 1, :] = 0
+    target[0, 5, 2] = target[1, 4, 6] = target[1, 6, 4] = 0
+    mask = torch.ones(B, n, dtype=F64)
+    mask[1, 0] = 0
+
+    def run_theirs(z):
+        feats = {"disto_target": target, "token_disto_mask": mask}
+        return boltz_distogram_loss({"pdistogram": theirs(z)}, feats)
+
+    compare(
+        ours,
+        theirs,
+        lambda z: distogram_loss(ours(z), target, mask),
+        run_theirs,
+        [z],
+        "distogram empty targets",
+        boltz_fp64,
+    )
+
+
 # -- the Pairformer layer and stack ---------------------------------------------------------------
 def trunk_inputs(n: int, cs: int, cz: int, seed: int):
     s = synthetic(B, n, cs, seed=seed).requires_grad_()

@@ -14,8 +14,11 @@ What each test proves:
 - ``test_checkpointing_peak_memory`` (strict xfail, the measured gap in ``PEAK_GAP``): with
   checkpointing, the per-rank tensor peak of a 4-layer stack's forward+backward at most one
   layer's peak plus the saved layer inputs. ``test_checkpointing_scaling``: what holds today.
-- ``test_control_scalars_must_agree``: a stack whose number of layers differs on one rank raises
-  the same error on every rank before any layer runs.
+- ``test_control_scalars_must_agree`` (one case per agreed scalar of the stack: depth,
+  checkpointing, train mode, seed, grad mode, each site's dropout rate and convention, the masks'
+  presence, token count, shapes, dtypes): the scalar differing on the last rank raises the same
+  error on every rank, naming that scalar alone with both values and the ranks, before any layer
+  runs. ``test_control_scalars_compare_exactly``: by repr (an ulp differs, NaN agrees).
 - ``test_negative_controls``: planted from the test: a residual that skips the dropout of one
   site, and a dropout site whose stream differs from serial, each fail parity with the message
   named; a checkpointed stack whose recompute draws other masks fails too.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -353,23 +357,81 @@ def test_checkpointing_scaling():
 # -- control flow --------------------------------------------------------------------------------
 
 
-def _rank_disagree(grid, n):
-    layout = PairLayout.for_sizes(n, grid)
-    layers = 3 if grid.rank == grid.size - 1 else 2
+# each case changes exactly one agreed scalar on the LAST rank of a 2x2 grid (N = 5, 2 layers):
+# (rank 0's value, the last rank's value) as the error spells them
+_SITES = 8  # dropout sites of 2 layers, in module order (4 a layer; the last: tri_att_end of layer 1)
+STACK_SCALARS = {
+    "num_blocks": (2, 3),
+    "activation_checkpointing": (False, True),
+    "training": (True, False),
+    "seed": (SEED, SEED + 1),
+    "grad_enabled": (True, False),
+    "dropout_p": ((P_DROP,) * _SITES, (P_DROP,) * (_SITES - 1) + (0.3,)),
+    "dropout_convention": (("boltz",) * _SITES, ("boltz", "af3") + ("boltz",) * (_SITES - 2)),
+    "mask": (True, False),  # the last rank passes pair_mask only
+    "pair_mask": (True, False),  # the last rank passes a token mask only (alone, a local error)
+    "n_tokens": (5, 6),  # N = 6 pads to the same 6 x 6 tiles on 2x2: only the token count differs
+    "shapes": (((1, 6, CS), (1, 6, 6, CZ)), ((2, 6, CS), (2, 6, 6, CZ))),  # B = 2
+    "dtypes": (("torch.float64", "torch.float64"), ("torch.float64", "torch.float32")),
+}
+
+
+def _rank_disagree(grid, scalar):
+    odd = grid.rank == grid.size - 1
+
+    def pick(name, normal, other):
+        return other if odd and scalar == name else normal
+
+    layers, n, b = pick("num_blocks", 2, 3), pick("n_tokens", 5, 6), pick("shapes", 1, 2)
     twin = _twin(_serial(layers), layers)
-    s, z, _, _ = _inputs(1, n)
+    twin.activation_checkpointing = pick("activation_checkpointing", False, True)
+    twin.train(pick("training", True, False))
+    twin.layers[1].dropout_tri_att_end.p = pick("dropout_p", P_DROP, 0.3)
+    twin.layers[0].dropout_tri_mul_in.convention = pick("dropout_convention", "boltz", "af3")
+    layout = PairLayout.for_sizes(n, grid)
+    s, z, mask, pair_mask = _inputs(b, n)
+    z = pick("dtypes", z, z.float())
+    args = [shard_tensor(x, k, grid, layout) for x, k in ((s, "single"), (z, "pair"))]
+    args += [
+        pick("mask", shard_tensor(mask, "single", grid, layout), None),
+        pick("pair_mask", shard_tensor(pair_mask, "pair", grid, layout), None),
+    ]
     try:
-        twin(shard_tensor(s, "single", grid, layout), shard_tensor(z, "pair", grid, layout), seed=SEED)
+        with torch.set_grad_enabled(pick("grad_enabled", True, False)):
+            twin(*args, seed=pick("seed", SEED, SEED + 1))
     except ValueError as e:
         return str(e)
-    return None
+    return "no error: the stack ran"
 
 
-def test_control_scalars_must_agree():
-    out = run_on_grid(_rank_disagree, (2, 2), 5)
-    for r, msg in enumerate(out):
-        assert msg is not None and "control-flow scalars differ across ranks" in msg, f"rank {r}: {msg}"
-        assert "'num_blocks', 3" in msg or "num_blocks': 3" in msg, msg
+def _assert_disagreement(msgs, what, scalar, values, also=(), nranks=4):
+    """The same error on every rank, naming this scalar (and only the ``also`` keys besides) with
+    both values and the ranks holding each."""
+    assert len(set(msgs)) == 1, f"{scalar}: the ranks raised different errors (or none): {msgs}"
+    msg = msgs[0]
+    head, tail = (
+        f"{what}: control-flow scalars differ across ranks (",
+        "); every rank must pass the same values",
+    )
+    assert msg.startswith(head) and msg.endswith(tail), msg
+    named = re.findall(r"(?:^|; )'(\w+)'(?: at [][0-9]+)?: ", msg[len(head) : -len(tail)])
+    assert named == sorted({scalar, *also}), f"{scalar}: the error names {named}: {msg}"
+    normal, other = values
+    assert (
+        f"{scalar!r}: {normal!r} on ranks {list(range(nranks - 1))}, {other!r} on ranks [{nranks - 1}]" in msg
+    ), msg
+
+
+@pytest.mark.parametrize("scalar", sorted(STACK_SCALARS))
+def test_control_scalars_must_agree(scalar):
+    """One agreed scalar differs on the last rank: every rank raises the same error naming it, before
+    any layer runs. Before these were agreed, a differing token mask's presence, dropout rate or
+    convention, or token count gave a silent result; a missing pair mask or another dtype on one
+    rank raised there alone and left the others waiting for the timeout; another batch size
+    aborted the workers on a transport size mismatch."""
+    msgs = run_on_grid(_rank_disagree, (2, 2), scalar, timeout=30)
+    also = ("dropout_convention", "dropout_p") if scalar == "num_blocks" else ()  # one layer more: 4 sites
+    _assert_disagreement(msgs, "CPPairformerStack", scalar, STACK_SCALARS[scalar], also)
 
 
 def _rank_scalars(case):

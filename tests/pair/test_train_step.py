@@ -13,6 +13,10 @@ What each test proves:
 - ``test_plain_boundary_serial_loop``: a serial script (serial trunk, its stack swapped for
   ``plain(CPPairformerStack)``, plain tensors, AdamW) equals the all-serial run: losses, full
   input gradients of ``s`` and ``z`` on every rank, weights after 2 steps.
+- ``test_trunk_control_scalars_must_agree`` (one case per agreed scalar: the step's seed, optimizer
+  step counts and hyperparameters; the trunk's ``single_weight`` and target shape; the checkpoint's
+  step and parameter checksum): the scalar differing on the last rank raises the same error on
+  every rank, naming that scalar alone, before any collective of the step.
 - ``test_negative_control_unsynced_head``: planted, the distogram Function's parameter-gradient
   all-reduce skipped: the ranks' weights after the update are no longer replicated (caught by
   ``assert_replicated`` before any parity check), message named.
@@ -22,6 +26,8 @@ The pair-bias LayerNorm bias of attention with pair bias has an analytically zer
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -250,3 +256,93 @@ def test_plain_boundary_serial_loop():
             )
         for k, w in serial[2][i].items():
             assert_parity(ranks[0][2][i][k], w, what=f"{what} weight {k} step {i}", grid=grid_id(grid))
+
+
+# -- control-flow scalars of the trunk, the step and the checkpoint: agreed before use ------------
+
+# each case changes exactly one agreed scalar on the LAST rank of a 2x2 grid (N = 5):
+# (where, the error's one part: a regex it must match whole)
+E = re.escape
+TRUNK_SCALARS = {
+    "seed": ("train_step", E("'seed': 100 on ranks [0, 1, 2], 101 on ranks [3]")),
+    # a rank whose optimizer already stepped
+    "optimizer_steps": ("train_step", E("'optimizer_steps': () on ranks [0, 1, 2], (1,) on ranks [3]")),
+    # a learning rate changed on one rank, shown at its entry of the first group
+    "param_groups": (
+        "train_step",
+        r"'param_groups' at \[0\]\[\d+\]: " + E("('lr', 0.01) on ranks [0, 1, 2], ('lr', 0.02) on ranks [3]"),
+    ),
+    # 0 skips the single-track term and its all-reduce (this hung the step)
+    "single_weight": ("CPTrunk", E("'single_weight': 0.1 on ranks [0, 1, 2], 0.0 on ranks [3]")),
+    # one conformer, not two (this changed the loss silently)
+    "target_shape": (
+        "CPTrunk",
+        E(f"'target_shape': (1, 6, 6, 2, {BINS}) on ranks [0, 1, 2], (1, 6, 6, 1, {BINS}) on ranks [3]"),
+    ),
+    "step": ("load_checkpoint", E("'step': 2 on ranks [0, 1, 2], 3 on ranks [3]")),
+    # one rank's weights differ after loading: shown at the first parameter whose sum differs
+    "checksum": ("load_checkpoint", r"'checksum' at \[\d+\]: \S+ on ranks \[0, 1, 2\], \S+ on ranks \[3\]"),
+}
+
+
+def _rank_trunk_disagree(grid, scalar, path):
+    import twinshard.pair.train as train_mod
+
+    odd = grid.rank == grid.size - 1
+
+    def pick(name, normal, other):
+        return other if odd and scalar == name else normal
+
+    n = 5
+    model = CPTrunk(CS, CZ, LAYERS, num_bins=BINS, single_weight=pick("single_weight", 0.1, 0.0), **KW)
+    model = model.double()
+    model.load_state_dict(_build(Trunk).state_dict())
+    model.train()
+    opt = _optimizer(model)
+    batch = _batch(n)
+    batch["target"] = pick("target_shape", batch["target"], batch["target"][:, :, :, :1])
+    batch = _sharded(batch, grid, n)
+    if pick("optimizer_steps", False, True):
+        opt.state[next(iter(model.parameters()))]["step"] = torch.tensor(1.0)
+    opt.param_groups[0]["lr"] = pick("param_groups", 1e-2, 2e-2)
+    real = train_mod.dist.broadcast_object_list
+    try:
+        if TRUNK_SCALARS[scalar][0] != "load_checkpoint":
+            train_step(model, opt, batch, seed=pick("seed", 100, 101))
+            return "no error: the step ran"
+        save_checkpoint(path, model, opt, step=2)
+        if pick("step", False, True):  # the broadcast state arrives with another step count
+
+            def broadcast_object_list(box, src=0, **kw):
+                real(box, src=src, **kw)
+                box[0]["step"] += 1
+
+            train_mod.dist.broadcast_object_list = broadcast_object_list
+        if pick("checksum", False, True):  # e.g. a rank whose load hook edits a weight
+
+            def bump(module, keys):
+                with torch.no_grad():
+                    module.distogram_module.distogram.bias[0] += 1e-3
+
+            model.register_load_state_dict_post_hook(bump)
+        load_checkpoint(path, model, opt)
+        return "no error: the checkpoint loaded"
+    except ValueError as e:
+        return str(e)
+    finally:
+        train_mod.dist.broadcast_object_list = real
+
+
+@pytest.mark.parametrize("scalar", sorted(TRUNK_SCALARS))
+def test_trunk_control_scalars_must_agree(scalar, tmp_path):
+    """One agreed scalar differs on the last rank: every rank raises the same error naming it, before
+    any collective of the step (never a hang, never a silent result; without agreement a differing
+    single_weight hung the step, a differing target silently changed the loss)."""
+    where, part = TRUNK_SCALARS[scalar]
+    msgs = run_on_grid(_rank_trunk_disagree, (2, 2), scalar, str(tmp_path / "trunk.pt"), timeout=30)
+    assert len(set(msgs)) == 1, f"{scalar}: the ranks raised different errors (or none): {msgs}"
+    head, tail = (
+        f"{where}: control-flow scalars differ across ranks (",
+        "); every rank must pass the same values",
+    )
+    assert re.fullmatch(E(head) + part + E(tail), msgs[0]), f"{msgs[0]}\nexpected the part {part!r}"

@@ -147,8 +147,26 @@ _DTYPES = (
 )
 
 
+_NO_SEND, _UNCARRIED, _MIXED = -1, -2, -3  # vote codes besides an index into _DTYPES
+
+
+def _dtype_code(dtype: torch.dtype | Sequence[torch.dtype] | None) -> int:
+    if dtype is None:
+        return _NO_SEND
+    kinds = {dtype} if isinstance(dtype, torch.dtype) else set(dtype)
+    if not kinds:
+        return _NO_SEND
+    if len(kinds) > 1:
+        return _MIXED
+    (one,) = kinds
+    return _DTYPES.index(one) if one in _DTYPES else _UNCARRIED
+
+
 def agree_requires_grad(
-    local: bool | None, what: str, group: Group = None, dtype: torch.dtype | None = None
+    local: bool | None,
+    what: str,
+    group: Group = None,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
 ) -> tuple[bool, torch.dtype | None]:
     """Replicated decision: does a point-to-point exchange take the autograd path?
 
@@ -161,12 +179,14 @@ def agree_requires_grad(
             does not), None (no input here, e.g. a rank that only receives: it follows the others,
             provided grad mode is on).
         what: names the exchange in the error.
-        dtype: the payload dtype this rank sends (None: it sends nothing); the ranks that send
-            must agree, and a rank that only receives learns it here.
+        dtype: the payload dtype this rank sends, or the dtypes of its send buffers (None or
+            empty: it sends nothing); the ranks that send must agree on one, and a rank that
+            only receives learns it here.
 
     Returns ``(differentiable, dtype)``, identical on every rank of ``group``.
     Raises ValueError with the same message on every rank when some ranks differentiate and
-    others cannot (input detached, or grad mode off), or when senders' dtypes differ.
+    others cannot (input detached, or grad mode off), when senders' dtypes differ, when a rank's
+    own send buffers have several dtypes, or when a rank sends a dtype outside ``_DTYPES``.
     Collective: one all_gather of two int64 per rank (ledger op ``<what>:grad_agree``); none on
     a group of one rank.
     """
@@ -174,27 +194,42 @@ def agree_requires_grad(
         vote = 2 if torch.is_grad_enabled() else 0
     else:
         vote = 1 if (local and torch.is_grad_enabled()) else 0
-    code = -1 if dtype is None else _DTYPES.index(dtype)
+    code = _dtype_code(dtype)
     if P.group_size(group) == 1:
-        return vote == 1, dtype
-    world = get_world()
-    device = world.device if world is not None else torch.device("cpu")
-    mine = torch.tensor([[vote, code]], dtype=torch.int64, device=device)
-    votes = P.all_gather(mine, 0, group, op=f"{what}:grad_agree").cpu()
-    want = [r for r, v in enumerate(votes[:, 0].tolist()) if v == 1]
-    cannot = [r for r, v in enumerate(votes[:, 0].tolist()) if v == 0]
-    if want and cannot:
+        codes, differentiable = [code], vote == 1
+    else:
+        world = get_world()
+        device = world.device if world is not None else torch.device("cpu")
+        mine = torch.tensor([[vote, code]], dtype=torch.int64, device=device)
+        votes = P.all_gather(mine, 0, group, op=f"{what}:grad_agree").cpu()
+        want = [r for r, v in enumerate(votes[:, 0].tolist()) if v == 1]
+        cannot = [r for r, v in enumerate(votes[:, 0].tolist()) if v == 0]
+        if want and cannot:
+            raise ValueError(
+                f"{what}: the input requires grad on ranks {want} but not on ranks {cannot} (detached, "
+                "or grad mode off): every rank must take the same autograd path through a collective "
+                "exchange, else the backward hangs; detach on every rank or on none"
+            )
+        codes, differentiable = votes[:, 1].tolist(), bool(want)
+    ranks_of = {c: [r for r, k in enumerate(codes) if k == c] for c in sorted(set(codes))}
+    if _UNCARRIED in ranks_of:
         raise ValueError(
-            f"{what}: the input requires grad on ranks {want} but not on ranks {cannot} (detached, "
-            "or grad mode off): every rank must take the same autograd path through a collective "
-            "exchange, else the backward hangs; detach on every rank or on none"
+            f"{what}: ranks {ranks_of[_UNCARRIED]} send a dtype the exchange does not carry; cast the "
+            f"send buffers to one of {[str(d) for d in _DTYPES]}"
         )
-    codes = sorted({c for c in votes[:, 1].tolist() if c >= 0})
-    if len(codes) > 1:
+    if _MIXED in ranks_of:
         raise ValueError(
-            f"{what}: ranks send different dtypes {[str(_DTYPES[c]) for c in codes]}; cast to one dtype"
+            f"{what}: the send buffers of ranks {ranks_of[_MIXED]} have several dtypes; cast them to "
+            "one dtype, or pass dtype= (the wire dtype) on every rank"
         )
-    return bool(want), (_DTYPES[codes[0]] if codes else dtype)
+    sent = {c: rs for c, rs in ranks_of.items() if c >= 0}
+    if len(sent) > 1:
+        which = "; ".join(f"{_DTYPES[c]} on ranks {rs}" for c, rs in sent.items())
+        raise ValueError(
+            f"{what}: ranks send different dtypes ({which}); the wire dtype must be one dtype on "
+            "every rank: cast the send buffers to one dtype, or pass the same dtype= on every rank"
+        )
+    return differentiable, (_DTYPES[next(iter(sent))] if sent else None)
 
 
 def all_reduce(x: torch.Tensor, group: Group = None) -> torch.Tensor:
@@ -296,10 +331,13 @@ def exchange(
     one that only receives, build the autograd node too and run their half of the adjoint.
     Backward: every received gradient goes back to its sender, which gets it as the gradient of
     what it sent (the reverse exchange). ``dtype``: the wire dtype (default: the sends' dtype,
-    agreed with the senders on a rank that only receives)."""
+    agreed with the senders on a rank that only receives). Every sender must send one dtype (DESIGN
+    rule 4): send buffers of several dtypes on a rank, senders of different dtypes, or a dtype
+    the exchange does not carry raise the same ValueError on every rank (the vote carries the
+    dtype), before anything is sent; pass ``dtype=`` (the same on every rank) to cast on the wire."""
     tensors = [t for _, t in sends]
     local = any(t.requires_grad for t in tensors) if tensors else None
-    own = dtype if dtype is not None else (tensors[0].dtype if tensors else None)
+    own = dtype if dtype is not None else [t.dtype for t in tensors]  # several: raises on every rank
     grad, agreed = agree_requires_grad(local, op, None, own)
     wire = agreed if agreed is not None else torch.float64  # nobody sends: the dtype is moot
     send_peers, recv_peers = [p for p, _ in sends], [p for p, _ in recvs]

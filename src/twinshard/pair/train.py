@@ -11,7 +11,9 @@ sees only ``z``, which the single track never feeds).
 CP twin's parameters are plain tensors replicated on every rank whose gradients come back
 complete and identical (each twin all-reduces its own), so a stock ``torch.optim.AdamW`` on
 every rank keeps the replicas identical and equal to the serial update. Control-flow scalars
-(seed, step) are checked identical on every rank first (``agree_scalars``).
+are checked identical on every rank first (``agree_scalars``): by ``train_step`` the seed, the
+optimizer's step counts and hyperparameters; by ``CPTrunk`` its ``single_weight`` and the
+target's shape; by the stack its own (``CPPairformerStack.control_scalars``).
 
 Checkpoints (:func:`save_checkpoint`, :func:`load_checkpoint`) are plain tensors with the serial
 names: ``{"model": state_dict, "optimizer": optimizer.state_dict(), "step": int}``, written by
@@ -110,6 +112,11 @@ class CPTrunk(Trunk):
         pair_mask: DTensor | None = None,
         seed: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the trunk's own control flow (the single-track term's all-reduce) and the target the
+        # loss reads, agreed before the stack (which agrees its own scalars and the masks)
+        agree_scalars(
+            {"single_weight": self.single_weight, "target_shape": tuple(target.shape)}, type(self).__name__
+        )
         s, z = self.pairformer_module(s, z, mask, pair_mask, seed)
         loss, per_sample = self.distogram_module.loss(z, target, mask)
         if self.single_weight:
@@ -126,11 +133,18 @@ def train_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, Any], seed: int
 ) -> torch.Tensor:
     """One step: zero the gradients, ``loss = model(**batch, seed=seed)[0]``, backward, update.
-    Returns the detached loss. On DTensor inputs the seed and the optimizer's step count are
-    checked identical on every rank first (they steer dropout and the update)."""
+    Returns the detached loss. On DTensor inputs the seed, the optimizer's step counts and its
+    param groups' hyperparameters (learning rate, betas, weight decay, ...) are checked identical
+    on every rank first (they steer dropout and the update)."""
     if any(isinstance(v, DTensor) for v in batch.values()):
         steps = sorted(int(st["step"]) for st in optimizer.state.values() if "step" in st)
-        agree_scalars({"seed": int(seed), "optimizer_steps": tuple(steps)}, "train_step")
+        groups = tuple(
+            tuple(sorted((k, v) for k, v in group.items() if k != "params"))
+            for group in optimizer.param_groups
+        )
+        agree_scalars(
+            {"seed": int(seed), "optimizer_steps": tuple(steps), "param_groups": groups}, "train_step"
+        )
     optimizer.zero_grad(set_to_none=True)
     loss, _ = model(**batch, seed=seed)
     loss.backward()

@@ -29,7 +29,9 @@ convention (``"boltz"`` by default).
 Collectives, forward and backward: those of the parts, in the serial order (two triangle
 multiplications, two triangle attentions, attention with pair bias, and the replicated
 parameter-gradient all-reduces of every part); the stack adds one ``agree_scalars`` check
-(an all-gather of a few Python scalars) per forward, before the first layer.
+(an all-gather of a few Python scalars: ``CPPairformerStack.control_scalars``) per forward,
+before the first layer and before any rank-local check of the inputs, so a value that differs
+on one rank raises the same error on every rank.
 
 Activation checkpointing (``activation_checkpointing=True`` on the stack): each layer runs
 under ``torch.utils.checkpoint`` (non-reentrant) on its LOCAL tiles, with early stop off, so
@@ -76,11 +78,38 @@ def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a + b
 
 
+_MISSING = object()
+_LONG = 120  # characters: a longer value is shown where it first differs (or cut)
+
+
+def _shown(value: Any) -> str:
+    text = "<missing>" if value is _MISSING else repr(value)
+    return text if len(text) <= _LONG else f"{text[: _LONG - 20]}...{text[-12:]} ({len(text)} chars)"
+
+
+def _first_difference(values: list[Any]) -> tuple[str, list[Any]]:
+    """Distinct long values that are sequences of one length (nested): the index path of their
+    first differing element (``"[0][5]"``) and the elements there; ``("", values)`` otherwise."""
+    path = ""
+    while (
+        all(isinstance(v, (tuple, list)) for v in values)
+        and len({len(v) for v in values}) == 1
+        and max(len(repr(v)) for v in values) > _LONG
+    ):
+        i = next((i for i in range(len(values[0])) if len({repr(v[i]) for v in values}) > 1), None)
+        if i is None:
+            break
+        path, values = f"{path}[{i}]", [v[i] for v in values]
+    return path, values
+
+
 def agree_scalars(values: Mapping[str, Any], what: str, group: dist.ProcessGroup | None = None) -> None:
     """Check that control-flow scalars (number of layers, recycles, seed, ...) are identical on
     every rank of ``group`` before any rank uses them; raise the same ``ValueError`` on every
-    rank if they differ (naming the ranks and values). One all-gather of Python objects; a
-    no-op without a process group of more than one rank."""
+    rank if they differ, naming each scalar that differs with its values and the ranks holding
+    each (``'seed': 11 on ranks [0, 1, 2], 12 on ranks [3]``; a long sequence at its first
+    differing element: ``'checksum' at [7]: ...``). One all-gather of Python objects; a no-op
+    without a process group of more than one rank."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     mine = sorted((str(k), v) for k, v in values.items())
@@ -88,9 +117,24 @@ def agree_scalars(values: Mapping[str, Any], what: str, group: dist.ProcessGroup
     dist.all_gather_object(every, mine, group=group)
     # by repr: exact for numbers (shortest round-trip), and a NaN on every rank agrees
     # (NaN != NaN would report identical values as differing)
-    if any(repr(v) != repr(every[0]) for v in every):
-        rows = "; ".join(f"rank {r}: {dict(v)}" for r, v in enumerate(every))
-        raise ValueError(f"{what}: control-flow scalars differ across ranks ({rows})")
+    if all(repr(v) == repr(every[0]) for v in every):
+        return
+    tables = [dict(v) for v in every]
+    parts = []
+    for key in sorted(set().union(*tables)):
+        held: dict[str, tuple[Any, list[int]]] = {}  # full repr -> (value, ranks), by first rank
+        for r, table in enumerate(tables):
+            value = table.get(key, _MISSING)
+            held.setdefault("<missing>" if value is _MISSING else repr(value), (value, []))[1].append(r)
+        if len(held) > 1:
+            path, shown = _first_difference([v for v, _ in held.values()])
+            at = f" at {path}" if path else ""
+            ranks = ", ".join(f"{_shown(v)} on ranks {rs}" for v, (_, rs) in zip(shown, held.values()))
+            parts.append(f"{key!r}{at}: {ranks}")
+    raise ValueError(
+        f"{what}: control-flow scalars differ across ranks ({'; '.join(parts)}); every rank must pass "
+        "the same values"
+    )
 
 
 CP_PARTS = PairformerParts(
@@ -240,14 +284,34 @@ class CPPairformerStack(_PlainArgs, nn.Module):
             convention,
         )
 
-    def control_scalars(self, seed: int | None) -> dict[str, Any]:
-        """The values every rank's control flow depends on (checked equal before use)."""
+    def control_scalars(
+        self,
+        seed: int | None,
+        s: Any = None,
+        z: Any = None,
+        mask: DTensor | None = None,
+        pair_mask: DTensor | None = None,
+    ) -> dict[str, Any]:
+        """The values every rank's control flow (or every rank's share of one result) depends on,
+        checked equal before use: the stack's depth, checkpointing, train/eval mode, seed, grad
+        mode, each dropout site's rate and convention (in module order), which masks are given,
+        and the inputs' global shapes, dtypes and token count (a rank that loaded another sample
+        would otherwise compute its tiles of another problem, or hang)."""
+        sites = [m for m in self.modules() if isinstance(m, CPDropout)]
+        layout = layout_of(z) or layout_of(s)
         return {
             "num_blocks": len(self.layers),
             "activation_checkpointing": self.activation_checkpointing,
             "training": self.training,
             "seed": seed,
             "grad_enabled": torch.is_grad_enabled(),
+            "dropout_p": tuple(m.p for m in sites),
+            "dropout_convention": tuple(m.convention for m in sites),
+            "mask": mask is not None,
+            "pair_mask": pair_mask is not None,
+            "shapes": tuple(tuple(getattr(x, "shape", ())) for x in (s, z)),
+            "dtypes": tuple(str(getattr(x, "dtype", None)) for x in (s, z)),
+            "n_tokens": None if layout is None else layout.n_tokens,
         }
 
     def forward(
@@ -259,7 +323,7 @@ class CPPairformerStack(_PlainArgs, nn.Module):
         seed: int | None = None,
     ) -> tuple[DTensor, DTensor]:
         """Run the layers in order: ``(s, z) -> (s, z)`` (arguments as ``CPPairformerLayer``)."""
-        agree_scalars(self.control_scalars(seed), type(self).__name__)
+        agree_scalars(self.control_scalars(seed, s, z, mask, pair_mask), type(self).__name__)
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 s, z = self._checkpointed(layer, s, z, mask, pair_mask, seed)
