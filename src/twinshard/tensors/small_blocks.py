@@ -38,7 +38,7 @@ import torch
 
 from twinshard.runtime.world import no_message
 from twinshard.tensors.placements import ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, in_backward
+from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, _leaves, in_backward
 
 __all__ = [
     "AtomScalar",
@@ -164,19 +164,6 @@ def _scalar_dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 def _rewrap_scalar(out: Any, spec: ShardSpec) -> Any:
     if isinstance(out, torch.Tensor) and out.dim() == 0 and not isinstance(out, (ShardTensor, AtomScalar)):
         return AtomScalar(out, spec)
-    return out
-
-
-def _leaves(tree: Any, out: list | None = None) -> list:
-    out = [] if out is None else out
-    if isinstance(tree, (list, tuple)):
-        for t in tree:
-            _leaves(t, out)
-    elif isinstance(tree, dict):
-        for t in tree.values():
-            _leaves(t, out)
-    else:
-        out.append(tree)
     return out
 
 
