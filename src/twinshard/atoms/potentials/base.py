@@ -58,6 +58,7 @@ __all__ = [
     "energy_forces_stress",
     "evaluate",
     "has_analytic",
+    "lookup_species",
 ]
 
 
@@ -65,6 +66,18 @@ def has_analytic(potential: object) -> bool:
     """Whether ``potential`` has a closed-form pair path ``analytic(...)`` (each pair once, no
     autograd: see :meth:`twinshard.atoms.potentials.lj.LennardJones.analytic`)."""
     return callable(getattr(potential, "analytic", None))
+
+
+def lookup_species(table: torch.Tensor, numbers: torch.Tensor, who: str, species: list[int]) -> torch.Tensor:
+    """The parameter row of each atomic number (``table[z]``, -1 for a number without parameters),
+    raising a clear ``ValueError`` for an unknown one. Written for plain models whose ``numbers``
+    may be a ShardTensor: elementwise ops and one global ``any`` (no ``max``/``tolist`` of local
+    rows), so every rank takes the same decision."""
+    known = numbers < table.numel()
+    rows = table[torch.where(known, numbers, torch.zeros_like(numbers))]
+    if bool(((rows < 0) | ~known).any()):
+        raise ValueError(f"{who} has no parameters for some atomic numbers; it knows {species}")
+    return rows
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:

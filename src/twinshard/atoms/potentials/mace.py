@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from twinshard.atoms.potentials.base import lookup_species
 from twinshard.tensors.shard_tensor import to_local
 
 __all__ = [
@@ -254,12 +255,7 @@ class MaceAdapter(nn.Module):
     def mace_inputs(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """mace's data dict from twinshard's plain-model dict (ShardTensors pass through)."""
         numbers, cell = data["numbers"], data["cell"]
-        known = numbers < self.species_index.numel()
-        rows = self.species_index[torch.where(known, numbers, torch.zeros_like(numbers))]
-        if bool(((rows < 0) | ~known).any()):
-            raise ValueError(
-                f"this MACE model has no parameters for some atomic numbers; it knows {self.species}"
-            )
+        rows = lookup_species(self.species_index, numbers, "this MACE model", self.species)
         dtype = self.dtype  # the model's: inputs are cast to it here, as mace's calculator does
         classes = torch.arange(len(self.species), device=rows.device)
         node_attrs = (rows[:, None] == classes[None, :]).to(dtype)

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twinshard.atoms.potentials.base import lookup_species
+
 __all__ = ["PlainMessagePassing"]
 
 
@@ -104,12 +106,7 @@ class PlainMessagePassing(nn.Module):
             y = x @ p["weight"].to(dtype)
             return y + p["bias"].to(dtype) if "bias" in p else y
 
-        known = numbers < self.species_index.numel()
-        rows = self.species_index[torch.where(known, numbers, torch.zeros_like(numbers))]
-        if bool(((rows < 0) | ~known).any()):
-            raise ValueError(
-                f"{type(self).__name__} has no parameters for some atomic numbers; it knows {self.species}"
-            )
+        rows = lookup_species(self.species_index, numbers, type(self).__name__, self.species)
         rc = self.cutoff
         vec = positions.index_select(0, senders) + shifts - positions.index_select(0, receivers)
         r2 = vec.to(dtype).pow(2).sum(-1)

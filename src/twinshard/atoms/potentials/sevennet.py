@@ -48,6 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from twinshard.atoms.potentials.base import lookup_species
+
 __all__ = [
     "SevenNetAdapter",
     "build_sevennet",
@@ -203,12 +205,7 @@ class SevenNetAdapter(nn.Module):
         numbers, cell = data["numbers"], data["cell"]
         if cell.reshape(-1, 3, 3).shape[0] != 1:
             raise ValueError("SevenNetAdapter evaluates one system per call (sevenn's single-system mode)")
-        known = numbers < self.species_index.numel()
-        rows = self.species_index[torch.where(known, numbers, torch.zeros_like(numbers))]
-        if bool(((rows < 0) | ~known).any()):
-            raise ValueError(
-                f"this SevenNet model has no parameters for some atomic numbers; it knows {self.species}"
-            )
+        lookup_species(self.species_index, numbers, "this SevenNet model", self.species)  # the check
         dtype = self.dtype
         cell3 = cell.reshape(3, 3)
         # twinshard: r = x[senders] + shifts - x[receivers]; sevenn: r = pos[j] - pos[i] + shift . cell
