@@ -43,6 +43,15 @@ class Mutation:
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
+    # -- runtime: the failing rank named on every rank
+    M(
+        "silent_rank_process_not_checked",
+        "wrong rank named",
+        "runtime/watchdog.py",
+        "gone = _gone(store, silent)",
+        "gone: list[int] = []",
+        ("tests/runtime/test_no_hang.py::test_sigkill_of_one_torchrun_rank_ends_every_rank_naming_it",),
+    ),
     # -- comm: adjoints, reductions, routing
     M(
         "all_reduce_bwd_dropped",

@@ -13,7 +13,9 @@ failure through the c10d store of the world (the TCPStore torchrun started):
   the world): it records itself as broken (``twinshard/broken/<rank>``), waits up to
   ``grace`` seconds for the origin's record and raises RankFailure naming the origin with its
   traceback. When no rank records an error (one was killed by a signal, or crashed in native
-  code), the ranks that recorded nothing once every other rank has are named;
+  code), a silent rank whose process is gone is named (each rank records its host and pid at
+  ``init_world``; a peer on the same host checks ``/proc``), else the ranks that recorded
+  nothing once every other rank has;
 - an agreed RankFailure (every rank raised it together) passes through unchanged.
 
 Peers blocked in a gloo collective wake when the failed rank's process exits (its sockets
@@ -33,7 +35,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from twinshard.runtime.errors import RankFailure
-from twinshard.runtime.world import format_exception, get_world
+from twinshard.runtime.world import PROCESS_KEY, format_exception, get_world, process_gone
 
 __all__ = ["Stopped", "is_comm_error", "rank_guard", "resolve_failure"]
 
@@ -83,12 +85,23 @@ def _read(store: dist.Store, key: str) -> str | None:
     return store.get(PREFIX + key).decode(errors="replace")
 
 
-def _silent_note(rank: int, also: list[int]) -> str:
+def _silent_note(rank: int, also: list[int], gone: bool) -> str:
     more = f" (ranks {also} also recorded nothing)" if also else ""
+    how = "its process is gone" if gone else "it recorded nothing"
     return (
-        f"rank {rank} stopped without reporting an error{more}: it was killed by a signal (SIGKILL, "
-        "out of memory) or crashed in native code, and the collectives of its peers broke"
+        f"rank {rank} stopped without reporting an error{more}: {how}; it was killed by a signal "
+        "(SIGKILL, out of memory) or crashed in native code, and the collectives of its peers broke"
     )
+
+
+def _gone(store: dist.Store, ranks: list[int]) -> list[int]:
+    """The ranks among ``ranks`` whose process is known to have ended (same host only)."""
+    out = []
+    for r in ranks:
+        record = store.get(f"{PROCESS_KEY}{r}").decode() if store.check([f"{PROCESS_KEY}{r}"]) else ""
+        if record and process_gone(record):
+            out.append(r)
+    return out
 
 
 def resolve_failure(exc: BaseException, grace: float = 10.0) -> BaseException:
@@ -120,6 +133,11 @@ def resolve_failure(exc: BaseException, grace: float = 10.0) -> BaseException:
                 for r in range(world.size)
                 if not store.check([f"{PREFIX}failure/{r}"]) and not store.check([f"{PREFIX}broken/{r}"])
             ]
+            # A silent rank whose process is gone failed; one still alive may only be blocked in a
+            # collective that has not broken yet (every peer must name the same rank).
+            gone = _gone(store, silent)
+            if gone:
+                return RankFailure({gone[0]: _silent_note(gone[0], gone[1:], True), me: mine})
             now = time.monotonic()
             if len(silent) == 1:
                 settle = settle if settle is not None else now + SETTLE
@@ -127,7 +145,7 @@ def resolve_failure(exc: BaseException, grace: float = 10.0) -> BaseException:
                 break
             time.sleep(0.1)
         if silent:
-            return RankFailure({silent[0]: _silent_note(silent[0], silent[1:]), me: mine})
+            return RankFailure({silent[0]: _silent_note(silent[0], silent[1:], False), me: mine})
         return RankFailure({me: mine})
     except Exception:  # the store is gone too (it lived in a process that exited)
         return RankFailure({me: mine})

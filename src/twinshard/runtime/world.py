@@ -126,7 +126,43 @@ def init_world(
     # finalization, where gloo's threads can be torn down in the wrong order ("terminate called
     # without an active exception", SIGABRT): destroy it at exit, before finalization.
     atexit.register(_shutdown_at_exit)
+    _record_process(world.rank)
     return world
+
+
+# Store key of a rank's process ("<host> <pid>"): a rank whose collective broke names a silent
+# peer on its own host as the failed one only if that process is gone (twinshard.runtime.watchdog).
+PROCESS_KEY = "twinshard/process/"
+
+
+def _record_process(rank: int) -> None:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        _get_default_store().set(f"{PROCESS_KEY}{rank}", f"{socket.gethostname()} {os.getpid()}")
+    except Exception:  # no store to write to: a failure is then named without this hint
+        pass
+
+
+def process_gone(record: str) -> bool:
+    """Whether the process of a ``PROCESS_KEY`` record (``"<host> <pid>"``) has ended; False when
+    it runs on another host (unknown there)."""
+    host, _, pid = record.partition(" ")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    if not os.path.isdir("/proc"):  # no procfs (macOS): the signal-0 probe
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # exited, not yet reaped
+    except OSError:
+        return True
 
 
 def _shutdown_at_exit() -> None:
