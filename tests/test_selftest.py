@@ -21,7 +21,7 @@ def test_selftest_passes_on_cpu_with_json(capsys):
 
 def test_selftest_exit_status_is_one_when_a_check_fails(monkeypatch, capsys):
     bad = {"what": "planted", "grid": "2x2", "max_abs_error": 1e-3, "tolerance": 1e-13, "passed": False}
-    monkeypatch.setattr(twinshard.runtime, "launch", lambda fn, n, **kw: [[bad]])
+    monkeypatch.setattr(twinshard.runtime, "run_ranks", lambda fn, n, **kw: [[bad]])
     assert main(["selftest", "--device", "cpu", "--json"]) == 1
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["selftest"] == "failed" and out["failed"] == ["planted"]

@@ -43,7 +43,15 @@ class Mutation:
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
-    # -- runtime: the failing rank named on every rank
+    # -- runtime: commands on the launched world; the failing rank named on every rank
+    M(
+        "command_ignores_torchrun_world",
+        "wrong world",
+        "runtime/pool.py",
+        "world = init_world(backend=backend, timeout=timeout)",
+        "world = None",
+        ("tests/cli/test_commands_torchrun.py",),
+    ),
     M(
         "silent_rank_process_not_checked",
         "wrong rank named",

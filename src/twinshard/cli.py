@@ -28,11 +28,13 @@ def _demo_rank(sections: tuple[str, ...]) -> list[dict[str, Any]]:
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    from twinshard.runtime import launch
+    from twinshard.runtime import reports, run_ranks
 
     t = time.perf_counter()
-    rows = launch(_demo_rank, args.ranks, DEMO_SECTIONS)[0]
+    rows = run_ranks(_demo_rank, args.ranks, DEMO_SECTIONS, option="--ranks")[0]
     wall = time.perf_counter() - t
+    if not reports():
+        return {"rows": rows}
     width = max(len(r["what"]) for r in rows)
     print(f"twinshard demo: {args.ranks} local ranks (gloo), fp64, every result against its serial twin\n")
     print(f"{'what ran':<{width}}  {'grid':>5}  {'max abs err':>11}  {'bytes/rank':>10}")
@@ -50,17 +52,17 @@ def _trivial(x: int) -> int:
 
 
 def run_bench_harness(args: argparse.Namespace) -> dict[str, Any]:
-    """Median time of a trivial function on N ranks through the reused worker pool."""
-    from twinshard.runtime import shared_pool
+    """Median time of a trivial function on N ranks through the reused worker pool (in a torchrun
+    world: one round of running it on every rank and gathering the results)."""
+    from twinshard.runtime import reports, run_ranks
 
-    pool = shared_pool()
     t = time.perf_counter()
-    pool.run(_trivial, args.ranks, 1)
+    run_ranks(_trivial, args.ranks, 1, option="--ranks")
     first = time.perf_counter() - t
     times = []
     for _ in range(args.repeat):
         t = time.perf_counter()
-        pool.run(_trivial, args.ranks, 1)
+        run_ranks(_trivial, args.ranks, 1, option="--ranks")
         times.append(time.perf_counter() - t)
     out = {
         "bench": "harness",
@@ -69,7 +71,8 @@ def run_bench_harness(args: argparse.Namespace) -> dict[str, Any]:
         "median_seconds": statistics.median(times),
         "repeat": args.repeat,
     }
-    print(json.dumps(out))
+    if reports():
+        print(json.dumps(out))
     return out
 
 
@@ -111,16 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; under torchrun every rank runs it inside ``rank_guard``, so a failure on
     one rank ends every rank with an error naming it (see ``twinshard.runtime.watchdog``)."""
-    from twinshard.runtime import RankFailure
+    from twinshard.runtime import RankFailure, get_world
     from twinshard.runtime.watchdog import rank_guard
 
     args = build_parser().parse_args(argv)
+    joined = get_world() is None  # a world this call joins (torchrun) is ended here, not an enclosing one
     code = 0
     try:
         with rank_guard():
             result = args.func(args)
-        if isinstance(result, dict) and result.get("selftest") == "failed":
-            code = 1  # a parity check failed: the table / JSON above names it
+        if isinstance(result, dict) and (result.get("selftest") == "failed" or result.get("passed") is False):
+            code = 1  # a parity check failed (selftest, validate): the table / JSON above names it
     except (ValueError, FileNotFoundError) as exc:
         print(f"twinshard: error: {exc}", file=sys.stderr)
         code = 2
@@ -128,11 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("TWINSHARD_DEBUG"):
             _end_world(1)
             raise
-        lines = [ln for ln in exc.failures[exc.rank].splitlines() if ln.strip()]
-        last = lines[-1] if lines else "(no message)"
+        message = exc.message() or "(no message)"
         where = f" in step {exc.step!r}" if exc.step else ""
         print(
-            f"twinshard: error on rank {exc.rank}{where}: {last}{_reporter(exc.rank)}\n"
+            f"twinshard: error on rank {exc.rank}{where}: {message}{_reporter(exc.rank)}\n"
             "(set TWINSHARD_DEBUG=1 for the full traceback)",
             file=sys.stderr,
         )
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         _end_world(1)
         raise
-    return _end_world(code)
+    return _end_world(code) if joined else code
 
 
 def _reporter(origin: int) -> str:

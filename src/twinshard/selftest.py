@@ -36,27 +36,20 @@ def selftest_rows() -> list[dict[str, Any]]:
 
 
 def run_selftest(args: argparse.Namespace) -> dict[str, Any]:
-    from twinshard.runtime import choose_backend, get_world, in_torchrun, init_world, launch
+    from twinshard.runtime import choose_backend, get_world, reports, run_ranks
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    if args.ranks != 4:
+        raise ValueError(
+            f"--ranks must be 4 (the pair and comm checks run on a 2 x 2 grid), got {args.ranks}"
+        )
     backend = "gloo" if args.device == "cpu" else choose_backend()
     t = time.perf_counter()
-    world = get_world() or (init_world(backend=backend) if in_torchrun() else None)
-    if world is not None:
-        if world.size != 4:
-            raise ValueError(f"selftest needs a world of 4 ranks (2 x 2 grids), this one has {world.size}")
-        rows = selftest_rows()
-        if world.rank != 0:
-            return {"rows": rows}
-        ranks, device = world.size, str(world.device)
-    else:
-        if args.ranks != 4:
-            raise ValueError(
-                f"--ranks must be 4 (the pair and comm checks run on a 2 x 2 grid), got {args.ranks}"
-            )
-        rows = launch(selftest_rows, args.ranks, backend=backend)[0]
-        ranks, device = args.ranks, args.device
+    results = run_ranks(selftest_rows, args.ranks, backend=backend, option="--ranks")
+    world = get_world()  # rows are replicated: in a world every rank reports its own pass or fail
+    rows = results[world.rank if world is not None else 0]
+    ranks, device = args.ranks, (str(world.device) if world is not None else args.device)
     out = {
         "selftest": "passed" if all(r["passed"] for r in rows) else "failed",
         "device": device,
@@ -67,6 +60,8 @@ def run_selftest(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": time.perf_counter() - t,
         "rows": rows,
     }
+    if not reports():
+        return out
     if args.json:
         print(json.dumps(out))
     else:

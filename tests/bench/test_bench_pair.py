@@ -124,7 +124,7 @@ def _bench_in_world(_: int) -> dict:
 
 def test_bench_pair_inside_an_existing_world():
     per_rank = shared_pool().run(_bench_in_world, 4, 0)
-    assert all(r == per_rank[0] for r in per_rank[1:])
+    assert all(r == {} for r in per_rank[1:])  # rank 0 summarises (the results are gathered there)
     assert per_rank[0]["grid"] == "2x2" and per_rank[0]["max_abs_error_out"] < 1e-12
 
 

@@ -58,7 +58,7 @@ def test_store_names_the_origin_or_the_silent_rank():
 
 # ---------------------------------------------------------------- real processes
 
-MD = ["-m", "twinshard.cli", "md", "--atoms", "256", "--skin", "0.5"]
+MD = ["-m", "twinshard", "md", "--atoms", "256", "--skin", "0.5"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 
 

@@ -71,6 +71,7 @@ from twinshard.atoms.md import (
 from twinshard.atoms.plain_inputs import evaluate_reference, evaluate_serial, potential_mode
 from twinshard.atoms.potentials import make_potential
 from twinshard.atoms.system import System
+from twinshard.runtime.world import COLLECTIVE_TIMEOUT  # noqa: F401  (moved to the runtime; re-exported)
 from twinshard.tensors.memory import RssWindow, peak_memory_during, storage_bytes
 
 __all__ = [
@@ -152,6 +153,8 @@ def load_structure(cfg: MDConfig) -> System:
     from twinshard.atoms import structures
 
     name = cfg.structure
+    if cfg.atoms is not None and cfg.atoms < 1:
+        raise ValueError(f"atoms must be a positive number of atoms, got {cfg.atoms}")
     if name is None or name in structures.STRUCTURES:
         name = name or "fcc_argon"
         n = cfg.atoms
@@ -613,11 +616,6 @@ def _check_serial(
     if ref["virial"] is not None and res0.virial is not None:
         out["max_virial_error"] = float((res0.virial - ref["virial"]).abs().max())
     return out
-
-
-# A collective that waits this long is a hang, not a slow rank (rank 0 reading a large
-# structure while the others wait in the broadcast stays well under it).
-COLLECTIVE_TIMEOUT = 300.0
 
 
 def result_keys() -> tuple[str, ...]:

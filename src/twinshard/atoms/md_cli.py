@@ -10,7 +10,6 @@ import os
 from typing import Any
 
 from twinshard.atoms.driver import (
-    COLLECTIVE_TIMEOUT,
     DEFAULT_ATOMS,
     RESULT_KEYS,
     MDConfig,
@@ -18,6 +17,17 @@ from twinshard.atoms.driver import (
 )
 
 __all__ = ["add_md_parser", "config_from_args", "run_md"]
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer, or a one-line usage error saying so."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -89,7 +99,7 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--friction", type=float, default=0.01, help="Langevin friction, 1/fs")
     p.add_argument(
         "--atoms",
-        type=int,
+        type=_positive,
         default=None,
         help=f"size of the embedded structure (default {DEFAULT_ATOMS} for fcc_argon)",
     )
@@ -152,23 +162,16 @@ def config_from_args(args: argparse.Namespace) -> MDConfig:
 def run_md(args: argparse.Namespace) -> dict[str, Any]:
     """``twinshard md``: run in the current world (torchrun or an enclosing launch), or spawn
     ``--ranks`` local ranks; rank 0 prints the summary (and the JSON line with ``--json``)."""
-    from twinshard.runtime import get_world, in_torchrun, init_world, shared_pool
+    from twinshard.runtime import reports, run_ranks
 
     cfg = config_from_args(args)
     if getattr(args, "ranks", 1) < 1:
         raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
-    world = get_world()
-    if world is None and in_torchrun():
-        world = init_world()
-    if world is not None:
-        result = md_rank(cfg)
-        if world.rank != 0:
-            return result
-    else:
-        deadline = float(getattr(args, "timeout", 3600.0))
-        result = shared_pool().run(
-            md_rank, int(args.ranks), cfg, timeout=min(deadline, COLLECTIVE_TIMEOUT), deadline=deadline
-        )[0]
+    deadline = float(getattr(args, "timeout", 3600.0))
+    # --ranks is ignored in a world (torchrun sets it): no option named
+    result = run_ranks(md_rank, int(args.ranks), cfg, deadline=deadline)[0]
+    if not reports():
+        return result
     if getattr(args, "json", False):
         print(json.dumps(result))
     else:

@@ -50,9 +50,9 @@ import os
 import tempfile
 from typing import Any
 
-from twinshard.atoms.driver import COLLECTIVE_TIMEOUT, MDConfig, md_rank
+from twinshard.atoms.driver import MDConfig, md_rank
 from twinshard.bench.atoms_eval import _ranks, bench_system, mace_species, run_evaluation, write_structure
-from twinshard.runtime import shared_pool
+from twinshard.runtime import get_world, in_torchrun, reports, run_ranks
 
 __all__ = ["add_parser", "plot", "run"]
 
@@ -118,6 +118,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "model", None) is not None and args.potential != "mace":
         raise ValueError("--model is an option of --potential mace")
     mode = getattr(args, "mode", "both")
+    if mode != "md" and (get_world() is not None or in_torchrun()):
+        raise ValueError(
+            f"bench atoms --mode {mode} times a serial run on one local rank beside each P, which a "
+            "torchrun world cannot host: use --mode md --ranks <the world's size> under torchrun, "
+            "or run it without torchrun (it spawns its own local ranks)"
+        )
     if mode == "overhead":
         from twinshard.bench.atoms_overhead import run_overhead
 
@@ -155,13 +161,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 thermo_every=max(1, args.steps),
                 serial_cache=cache,
             )
-            r = shared_pool().run(
-                md_rank,
-                p,
-                cfg,
-                timeout=min(float(args.timeout), COLLECTIVE_TIMEOUT),
-                deadline=float(args.timeout),
-            )[0]
+            r = run_ranks(md_rank, p, cfg, option="--ranks", deadline=float(args.timeout))[0]
+            if not reports():
+                continue
             runs.append(r)
             if not args.json:
                 print(
@@ -174,6 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"max |dF| {r['max_force_error']:.1e}, max |dx| {r['max_position_error']:.1e}",
                     flush=True,
                 )
+    if not reports():  # another rank of the torchrun world reports
+        return {}
     result = summarise(runs, args)
     if evaluation is not None:
         result["evaluation"] = summarise_evaluation(evaluation, args)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from twinshard.atoms.driver import COLLECTIVE_TIMEOUT
-from twinshard.runtime import shared_pool
+from twinshard.runtime import COLLECTIVE_TIMEOUT, shared_pool
 
 __all__ = ["bench_system", "eval_rank", "mace_model", "mace_species", "run_evaluation", "serial_eval_rank"]
 

@@ -38,9 +38,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from twinshard.atoms.driver import COLLECTIVE_TIMEOUT
 from twinshard.bench.atoms_eval import _median, _ranks, bench_system, mace_model, warmups
-from twinshard.runtime import shared_pool
+from twinshard.runtime import COLLECTIVE_TIMEOUT, shared_pool
 
 __all__ = ["overhead_rank", "reference_rank", "run_overhead"]
 

@@ -12,8 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from twinshard.atoms.driver import COLLECTIVE_TIMEOUT
-from twinshard.runtime import shared_pool
+from twinshard.runtime import reports, run_ranks
 
 __all__ = ["add_migrate_parser", "run_migrate", "soak_rank"]
 
@@ -137,13 +136,9 @@ def run_migrate(args: argparse.Namespace) -> dict[str, Any]:
             "seed",
         )
     }
-    res = shared_pool().run(
-        soak_rank,
-        int(args.ranks),
-        opts,
-        timeout=min(float(args.timeout), COLLECTIVE_TIMEOUT),
-        deadline=float(args.timeout),
-    )[0]
+    res = run_ranks(soak_rank, int(args.ranks), opts, option="--ranks", deadline=float(args.timeout))[0]
+    if not reports():  # another rank of the torchrun world reports
+        return res
     if not args.json:
         print(
             f"{res['migrations']} migrations in {res['steps']} steps on {res['ranks']} ranks "

@@ -61,7 +61,7 @@ from twinshard.bench.pair_ops import TRUNK_OPS, bench_rank_op, lower_bound_bytes
 from twinshard.comm import CommLedger
 from twinshard.comm.ledger import BYTES_MODEL
 from twinshard.pair.layers.contraction import schedule_name
-from twinshard.runtime import get_world, make_grid, shared_pool
+from twinshard.runtime import get_world, make_grid, reports, run_ranks
 from twinshard.tensors.memory import RssWindow, SavedBytes, peak_memory_during
 
 __all__ = ["OPS", "add_parser", "bench_rank", "measure", "parse_grid", "run"]
@@ -472,8 +472,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "repeats", 0) < 0 or getattr(args, "warmup", 0) < 0:
         raise ValueError("repeats and warmup must not be negative")
     results = [_run_one(args, shape) for shape in shapes]
-    world = get_world()
-    quiet = world is not None and world.rank != 0  # under torchrun rank 0 prints
+    quiet = not reports()  # under torchrun rank 0 prints
     plot = getattr(args, "plot", None)
     if plot and not quiet:
         plot_runs(results, plot)
@@ -514,14 +513,10 @@ def _run_one(args: argparse.Namespace, shape: tuple[int, int]) -> dict[str, Any]
         getattr(args, "warmup", 0),
         threads,
     )
-    world = get_world()
-    if world is not None and world.size == nranks:
-        mine = bench_rank(*call)
-        ranks: list[Any] = [None] * world.size
-        torch.distributed.all_gather_object(ranks, mine)  # bookkeeping, outside every ledger
-    else:
-        t = float(getattr(args, "timeout", 3600.0))
-        ranks = shared_pool().run(bench_rank, nranks, *call, timeout=t, deadline=t)
+    t = float(getattr(args, "timeout", 3600.0))
+    ranks = run_ranks(bench_rank, nranks, *call, option="--grid", deadline=t)
+    if not reports():  # rank 0 of the world summarises
+        return {}
     return _summarise(args.op, args.tokens, shape, args, ranks)
 
 

@@ -43,7 +43,7 @@ from twinshard.bench.pair import measure, parse_grid
 from twinshard.comm import CommLedger
 from twinshard.comm.ledger import BYTES_MODEL
 from twinshard.pair.layers.contraction import schedule_name
-from twinshard.runtime import get_world, make_grid, shared_pool
+from twinshard.runtime import get_world, make_grid, reports, run_ranks
 
 __all__ = ["add_parser", "run", "trunk_rank", "summarise"]
 
@@ -423,17 +423,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = config(args)
     cfg["train_step"] = bool(getattr(args, "train_step", False))
     call = (args.tokens, shape, cfg, args.dtype, bool(args.check_serial), args.seed)
-    world = get_world()
     fn = train_rank if cfg["train_step"] else trunk_rank
-    if world is not None and world.size == shape[0] * shape[1]:
-        mine = fn(*call)
-        ranks: list[Any] = [None] * world.size
-        torch.distributed.all_gather_object(ranks, mine)  # bookkeeping, outside every ledger
-    else:
-        ranks = shared_pool().run(fn, shape[0] * shape[1], *call, timeout=args.timeout)
+    ranks = run_ranks(fn, shape[0] * shape[1], *call, option="--grid", deadline=args.timeout)
+    if not reports():  # rank 0 of the world summarises and prints
+        return {}
     result = summarise(args.tokens, shape, cfg, args, ranks)
-    if world is not None and world.size == shape[0] * shape[1] and world.rank != 0:
-        return result
     if not getattr(args, "json", False):
         for k, v in result.items():
             if not isinstance(v, list):

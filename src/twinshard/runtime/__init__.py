@@ -3,8 +3,9 @@
 from twinshard.runtime.agree import agree_step, check_all, raise_together
 from twinshard.runtime.errors import RankFailure, WorldError
 from twinshard.runtime.grid import ProcessGrid, make_grid
-from twinshard.runtime.pool import WorkerPool, launch, shared_pool
+from twinshard.runtime.pool import WorkerPool, launch, reports, run_ranks, shared_pool
 from twinshard.runtime.world import (
+    COLLECTIVE_TIMEOUT,
     DEFAULT_TIMEOUT,
     World,
     attach_world,
@@ -17,6 +18,7 @@ from twinshard.runtime.world import (
 )
 
 __all__ = [
+    "COLLECTIVE_TIMEOUT",
     "DEFAULT_TIMEOUT",
     "ProcessGrid",
     "RankFailure",
@@ -32,7 +34,9 @@ __all__ = [
     "launch",
     "make_grid",
     "raise_together",
+    "reports",
     "require_world",
+    "run_ranks",
     "shared_pool",
     "shutdown_world",
     "WorkerPool",

@@ -47,5 +47,25 @@ class RankFailure(RuntimeError):
         lines.append(self.failures[first].rstrip())
         super().__init__("\n".join(lines))
 
+    def message(self) -> str:
+        """The origin's exception as it printed it, without the traceback frames: its
+        ``Type: message`` lines (all of them: a message may span several lines), or, for a note
+        that is no traceback, the note itself."""
+        return exception_text(self.failures[self.rank])
+
     def __reduce__(self):  # picklable across processes
         return (RankFailure, (self.failures, self.stuck, self.step, self.finished))
+
+
+def exception_text(text: str) -> str:
+    """The exception part of a formatted traceback: the lines after its last frame (a frame is a
+    ``  File ...`` line and its indented source lines), so a message of several lines stays
+    whole; a text without frames is returned stripped."""
+    lines = text.rstrip().splitlines()
+    frames = [i for i, ln in enumerate(lines) if ln.startswith("  File ")]
+    if not frames:
+        return "\n".join(ln for ln in lines if ln.strip())
+    i = frames[-1] + 1
+    while i < len(lines) and lines[i].startswith("    "):  # its source line and ^^^ markers
+        i += 1
+    return "\n".join(ln for ln in lines[i:] if ln.strip())

@@ -32,11 +32,14 @@ import torch.multiprocessing as mp
 
 from twinshard.runtime.errors import RankFailure
 from twinshard.runtime.world import (
+    COLLECTIVE_TIMEOUT,
     DEFAULT_TIMEOUT,
     attach_world,
     failure_payload,
     free_port,
     get_world,
+    in_torchrun,
+    init_world,
     raise_failures,
     set_threads,
     shutdown_world,
@@ -198,8 +201,9 @@ class WorkerPool:
                 if not failures:
                     ranks = sorted(pending.values())
                     failures[ranks[0]] = (
-                        f"no result from ranks {ranks} after {timeout:g} s: a deadlock, or a rank that "
-                        "never reached a collective its peers entered"
+                        f"no result from ranks {ranks} within the job's time limit of {timeout:g} s "
+                        "(a command's --timeout): the job was still running (give a longer --timeout), "
+                        "or it hung (a rank that never reached a collective its peers entered)"
                     )
                 break
             for conn in wait(list(pending), timeout=min(0.5, deadline - now)):
@@ -266,4 +270,51 @@ def shared_pool() -> WorkerPool:
     return _SHARED
 
 
-__all__ = ["FAILURE_GRACE", "RankFailure", "WorkerPool", "launch", "shared_pool"]
+def run_ranks(
+    fn: Callable[..., Any],
+    nranks: int,
+    *args: Any,
+    option: str | None = None,
+    backend: str | None = None,
+    timeout: float | None = None,
+    deadline: float | None = None,
+) -> list[Any]:
+    """Every rank's result of ``fn(*args)``: the one way a command runs its rank body.
+
+    In a world (one that torchrun launched, joined here with ``init_world``; or an enclosing
+    one) every rank runs ``fn`` itself, so no local ranks are spawned, and the results are
+    gathered on rank 0 with ``gather_object`` (bookkeeping outside every ledger): rank 0 gets
+    every rank's result, another rank a list holding only its own (the others ``None``). ``option`` names the
+    command-line option that sets ``nranks`` (``"--grid"``): a world of another size then
+    raises on every rank (the same arguments, the same decision); without it ``nranks`` is
+    ignored in a world (``--ranks`` of ``md``: torchrun sets the world). Outside a world, ``fn``
+    runs on ``nranks`` local ranks of the shared pool. ``deadline``: seconds the whole job may
+    take (local ranks; a command's ``--timeout``); ``timeout``: seconds any one collective may
+    wait (default: the deadline, at most ``COLLECTIVE_TIMEOUT``; ``DEFAULT_TIMEOUT`` without one).
+    """
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT if deadline is None else min(float(deadline), COLLECTIVE_TIMEOUT)
+    world = get_world()
+    if world is None and in_torchrun():
+        world = init_world(backend=backend, timeout=timeout)
+    if world is None:
+        return shared_pool().run(fn, nranks, *args, backend=backend, timeout=timeout, deadline=deadline)
+    if option is not None and nranks != world.size:
+        raise ValueError(
+            f"{option} asks for {nranks} ranks but this world has {world.size}: launch "
+            f"{nranks} processes (torchrun --nproc-per-node={nranks}) or change {option}"
+        )
+    mine = fn(*args)
+    results: list[Any] = [None] * world.size
+    dist.gather_object(mine, results if world.rank == 0 else None, dst=0)
+    results[world.rank] = mine
+    return results
+
+
+def reports() -> bool:
+    """Whether this process prints a command's result: rank 0 of a world, or a process without one."""
+    world = get_world()
+    return world is None or world.rank == 0
+
+
+__all__ = ["FAILURE_GRACE", "RankFailure", "WorkerPool", "launch", "reports", "run_ranks", "shared_pool"]

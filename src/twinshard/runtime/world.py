@@ -34,6 +34,9 @@ import torch.distributed.nn.functional  # noqa: F401
 from twinshard.runtime.errors import RankFailure, WorldError
 
 DEFAULT_TIMEOUT = 60.0
+# A command's collective that waits this long is a hang, not a slow rank (rank 0 reading a
+# large structure while the others wait in a broadcast stays well under it).
+COLLECTIVE_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)

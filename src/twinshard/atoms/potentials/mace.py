@@ -25,7 +25,10 @@ distribution-aware. Parameter names are the MACE module's behind the prefix ``mo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+import io
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +49,30 @@ __all__ = [
 DEFAULT_SPECIES = (1, 6, 8, 29)
 
 
+# Notices of mace-torch and e3nn themselves, not of the user's run: a print at import
+# (cuequivariance), warnings about their TorchScript annotations (one per compiled e3nn module) and
+# their torch.load defaults, 60-90 lines per MACE run.
+_NOISE = (
+    "The TorchScript type system doesn't support instance-level annotations",
+    "Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected",
+    "You are using `torch.load` with `weights_only=False`",
+)
+
+
+def _quietly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` without mace-torch's and e3nn's own notices (``_NOISE``, and mace's import print)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            for message in _NOISE:
+                warnings.filterwarnings("ignore", message=message)
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_quietly
 def mace_available() -> bool:
     try:
         import mace.modules  # noqa: F401
@@ -72,6 +99,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(prev)
 
 
+@_quietly
 def build_mace(
     species: Sequence[int] = DEFAULT_SPECIES,
     r_max: float = 4.0,
@@ -166,16 +194,29 @@ def build_scaleshift_mace(scale: float = 1.7, shift: float = -0.3, **kwargs: Any
     return build_mace(scale_shift=(scale, shift), **kwargs)
 
 
+@_quietly
 def load_mace(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """A MACE model saved by mace-torch (``torch.save(model, path)``), loaded as mace's calculator
     does: ``torch.load(path, map_location=device)`` (the whole pickled module; trust the file)."""
     _require()
+    import os
+
     import mace.modules  # noqa: F401 - the pickled classes live there
 
-    model = torch.load(path, map_location=device, weights_only=False)
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"{path}: expected a MACE module saved with torch.save(model, ...), got {type(model)}"
+    if not os.path.isfile(path):
+        raise ValueError(f"model file {path!r} does not exist")
+    try:
+        model = torch.load(path, map_location=device, weights_only=False)
+    except Exception as exc:  # a torn or foreign file raises many types: one clear line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"model file {path!r} cannot be read as a saved MACE model ({type(exc).__name__}: {first}); "
+            "give a file written by mace-torch (torch.save(model, path))"
+        ) from None
+    if not (isinstance(model, nn.Module) and hasattr(model, "r_max") and hasattr(model, "atomic_numbers")):
+        raise ValueError(
+            f"model file {path!r} holds a {type(model).__module__}.{type(model).__qualname__}, not a MACE "
+            "model (mace.modules.MACE or ScaleShiftMACE saved with torch.save(model, path))"
         )
     return model if dtype is None else model.to(dtype)
 
@@ -319,6 +360,7 @@ class MaceAdapter(nn.Module):
         return {k: None if v is None else v.to(want) for k, v in res.items()}
 
 
+@_quietly
 def mace_calculator(model: nn.Module, head: str | None = None) -> Any:
     """mace-torch's own ASE calculator (``MACECalculator``) on a copy of ``model`` at the model's
     dtype (so it converts nothing; it freezes its copy's parameters, never the caller's);

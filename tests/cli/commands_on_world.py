@@ -1,0 +1,54 @@
+"""Run by ``torchrun`` from ``tests/cli/test_torchrun.py``: every ``twinshard`` command, one after
+the other, in the one world torchrun launched (joined once here, so the suite pays one launch).
+
+Each rank prints one marker line per command: ``RAN <name> rank <r> code <c> pool <p> children <k>``
+(``pool``: whether a local worker pool was started; ``children``: live child processes). The
+commands print their results as they would on their own (rank 0 only).
+"""
+
+import multiprocessing
+import sys
+
+import twinshard.runtime.pool as pool
+from twinshard.cli import main
+from twinshard.runtime import init_world
+
+COMMANDS = {
+    "demo": ["demo"],
+    "selftest": ["selftest", "--device", "cpu", "--json"],
+    "md": ["md", "--atoms", "108", "--steps", "3", "--partition", "block", "--check-serial", "--json"],
+    "trunk": ["trunk", "--tokens", "9", "--grid", "2x2", "--layers", "1", "--json"],
+    "validate": ["validate", "--potential", "mpnn", "--json"],
+    "bench-pair": ["bench", "pair", "--op", "trimul-out", "--grid", "2x2", "--tokens", "9", "--json"],
+    "bench-harness": ["bench", "harness", "--ranks", "4", "--repeat", "2"],
+    "bench-migrate": ["bench", "migrate", "--ranks", "4", "--migrations", "1", "--json"],
+    "bench-atoms": [
+        "bench",
+        "atoms",
+        "--mode",
+        "md",
+        "--ranks",
+        "4",
+        "--potential",
+        "lj",
+        "--atoms",
+        "256",
+        "--steps",
+        "1",
+        "--json",
+    ],  # fmt: skip
+    # a grid that does not match the world: the same clear error on every rank, no local ranks
+    "trunk-wrong-grid": ["trunk", "--tokens", "9", "--grid", "1x2", "--layers", "1", "--json"],
+}
+
+if __name__ == "__main__":
+    world = init_world()
+    names = sys.argv[1:] or list(COMMANDS)
+    for name in names:
+        code = main(COMMANDS[name])
+        sys.stdout.flush()
+        children = len(multiprocessing.active_children())
+        print(
+            f"RAN {name} rank {world.rank} code {code} pool {pool._SHARED is not None} children {children}",
+            flush=True,
+        )
