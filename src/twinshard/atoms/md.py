@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from ase import units
 
 from twinshard.atoms.neighbors import VerletList
 from twinshard.atoms.system import System
+from twinshard.runtime.files import atomic_write
 from twinshard.tensors import rng
 
 __all__ = [
@@ -518,33 +518,11 @@ def checkpoint_state(system: System, step: int, integrator: VelocityVerlet, heat
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically: a temporary file in the same directory,
-    flushed and fsynced, then ``os.replace`` (and the directory fsynced). A process
-    killed at any point leaves either the previous file or the new one, never a torn
-    one (a killed writer may leave a ``.tmp`` file beside it, which loading ignores)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:  # make the rename itself durable; not every platform/filesystem allows it
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+    """Write ``state`` to ``path`` atomically (:func:`~twinshard.runtime.atomic_write`: a
+    fsynced temporary in the same directory, renamed over ``path``). A process killed at any
+    point leaves either the previous file or the new one, never a torn one (a killed writer
+    may leave its ``.tmp`` file, which loading ignores)."""
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
