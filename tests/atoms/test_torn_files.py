@@ -73,36 +73,35 @@ def _rows(path):
         )
 
 
-# where the kill hit the frame of step 10: bytes into it, from its lines
+# where the kill hit a frame: (the frame, bytes into it from its lines, the torn frame's message);
+# the frame of step 8 is the first past the checkpoint, so only the torn frame is there to cut
 KILLS = {
-    "inside an atom line": lambda lines: sum(map(len, lines[:42])) + 20,  # in atom line 41
-    "right after the count line": lambda lines: len(lines[0]),
-    "inside the comment line": lambda lines: len(lines[0]) + 30,
+    "inside an atom line": (5, lambda lines: sum(map(len, lines[:42])) + 20, "40 of 108 atom lines"),
+    "right after the count line": (4, lambda lines: len(lines[0]), "no complete comment line"),
+    "inside the comment line": (5, lambda lines: len(lines[0]) + 30, "no complete comment line"),
 }
 
 
 @pytest.mark.parametrize("where", list(KILLS))
 def test_restart_cuts_a_torn_tail_and_equals_the_uninterrupted_run(runs, tmp_path, where):
+    frame, offset, reason = KILLS[where]
+    late = frame - 4  # complete frames past the checkpoint's (frame 3, step 6)
     full = (runs / "full.extxyz").read_bytes()
     starts = _frame_starts(full)
-    lines = full[starts[5] :].splitlines(keepends=True)
-    kill = starts[5] + KILLS[where](lines)
     traj, thermo, ck = tmp_path / "t.extxyz", tmp_path / "th.txt", tmp_path / "ck.pt"
-    traj.write_bytes(full[:kill])  # frames 0..8 complete (8 past the checkpoint), 10 torn
+    traj.write_bytes(full[: starts[frame] + offset(full[starts[frame] :].splitlines(keepends=True))])
+    # the thermo log torn alike (independently): rows up to the last complete frame, part of the next
     log = (runs / "full.txt").read_text().splitlines(keepends=True)  # header, steps 0, 2, ..., 12
-    thermo.write_text("".join(log[:7]) + log[7][:15])  # rows 0..10 and a torn row of step 12
+    thermo.write_text("".join(log[: frame + 1]) + log[frame + 1][:15])
     shutil.copy(runs / "ck.pt", ck)
 
     # the repair alone keeps exactly the complete frames and rows up to the checkpoint's step
     shutil.copy(traj, tmp_path / "alone.extxyz")
     shutil.copy(thermo, tmp_path / "alone.txt")
-    msg = repair_trajectory(tmp_path / "alone.extxyz", CUT)
+    repair_trajectory(tmp_path / "alone.extxyz", CUT)
     assert (tmp_path / "alone.extxyz").read_bytes() == full[: starts[4]]  # frames 0, 2, 4, 6
-    assert "torn last frame" in msg and "1 frame(s) written after step 6" in msg and "kept 4" in msg
-    assert repair_thermo(tmp_path / "alone.txt", CUT).startswith(
-        f"thermo log {str(tmp_path / 'alone.txt')!r}"
-    )
-    assert (tmp_path / "alone.txt").read_text() == "".join(log[:5])
+    repair_thermo(tmp_path / "alone.txt", CUT)
+    assert (tmp_path / "alone.txt").read_text() == "".join(log[:5])  # header, rows 0, 2, 4, 6
 
     res = run_on_world(
         md_rank, 2, MDConfig(steps=STEPS, restart=str(ck), trajectory=str(traj), thermo=str(thermo), **BASE)
@@ -110,14 +109,15 @@ def test_restart_cuts_a_torn_tail_and_equals_the_uninterrupted_run(runs, tmp_pat
     assert res["start_step"] == CUT
     notes = res["file_repairs"]
     assert len(notes) == 2, notes
-    assert notes[0].startswith(f"trajectory {str(traj)!r}: cut a torn last frame (")
-    if where == "inside an atom line":
-        assert "(40 of 108 atom lines)" in notes[0]
-    else:
-        assert "(no complete comment line)" in notes[0]
-    assert "and 1 frame(s) written after step 6" in notes[0] and "kept 4 frame(s)" in notes[0]
-    assert notes[1].startswith(f"thermo log {str(thermo)!r}: cut a torn last row (line 8: '12 ")
-    assert "and 2 row(s) written after step 6" in notes[1] and "kept 4 row(s)" in notes[1]
+    and_late = f" and {late} frame(s) written after step 6 (past the checkpoint)" if late else ""
+    assert notes[0] == (
+        f"trajectory {str(traj)!r}: cut a torn last frame ({reason}){and_late}; kept 4 frame(s) of steps <= 6"
+    )
+    torn_row = f"line {frame + 2}: {log[frame + 1][:15]!r}"
+    and_late = f" and {late} row(s) written after step 6 (past the checkpoint)" if late else ""
+    assert notes[1] == (
+        f"thermo log {str(thermo)!r}: cut a torn last row ({torn_row}){and_late}; kept 4 row(s) of steps <= 6"
+    )
 
     steps, pos = _frames(traj)
     ref_steps, ref_pos = _frames(runs / "full.extxyz")
