@@ -51,6 +51,7 @@ from twinshard.atoms.md import (
     maxwell_boltzmann,
     simulate,
 )
+from twinshard.atoms.md_files import prepare_outputs
 from twinshard.atoms.system import System
 
 __all__ = ["MDResult", "run_md"]
@@ -65,7 +66,9 @@ class MDResult:
     ``forces [n, 3]`` (rows of ``system``), ``stress`` and ``virial`` ``[3, 3]`` of
     the final configuration (sign convention of
     :mod:`twinshard.atoms.potentials.base`; ``stress`` is ``None`` without a cell
-    volume); ``migrations`` and ``ranks`` of the run.
+    volume); ``migrations`` and ``ranks`` of the run; ``info["file_repairs"]``: what rank 0
+    removed or cut from the output files before step 1 (stale temporaries, torn tails; see
+    :mod:`twinshard.atoms.md_files`).
     """
 
     system: System | None
@@ -249,6 +252,7 @@ def _md_rank(
     rank = world.rank
     resume = torch.zeros(2, dtype=torch.float64, device=world.device)
     mine: System | None = None
+    notes: list[str] = []  # rank 0: what prepare_outputs removed or cut
     with agree_step("run_md: check the inputs"):
         if opts["steps"] < 0:
             raise ValueError(f"steps must be >= 0, got {opts['steps']}")
@@ -272,6 +276,9 @@ def _md_rank(
                     mine.velocities = maxwell_boltzmann(
                         mine.masses, mine.ids, float(opts["initial_temperature"]), seed=opts["seed"]
                     )
+            names = ("checkpoint=", "trajectory=", "thermo=")
+            paths = (opts["checkpoint"], opts["trajectory"], opts["thermo"])
+            notes = prepare_outputs(int(resume[0]), *paths, names=names)  # errors reach every rank
     resume = prim.broadcast(resume, 0, None, op="md_setup")
     start_step, heat0 = int(resume[0]), float(resume[1])
     if opts["storage"] == "graph":
@@ -299,6 +306,7 @@ def _md_rank(
         heat=heat0,
         checkpoint=opts["checkpoint"],
         checkpoint_every=opts["checkpoint_every"],
+        check_files=False,  # done above, inside the fail-together step
     )
     fin = dp.compute(sharded, compute_stress=True)
     counts = sharded.counts()
@@ -317,4 +325,5 @@ def _md_rank(
         steps=opts["steps"],
         start_step=start_step,
         seconds=out["seconds"],
+        info={"file_repairs": notes},
     )

@@ -43,7 +43,10 @@ Figures (per rank, reported by rank 0):
 Restart: ``--checkpoint FILE --checkpoint-every K`` writes the gathered system,
 the step, the integrator settings, the RNG position and the bath heat
 atomically on rank 0; ``--restart FILE`` continues from it, at any rank count,
-up to ``--steps`` (which counts the whole run).
+up to ``--steps`` (which counts the whole run). Before step 1 rank 0 checks that the
+``--checkpoint/--trajectory/--thermo`` paths are writable, removes the temporaries killed
+writers left, and on a restart cuts torn tails (:mod:`twinshard.atoms.md_files`; the result's
+``file_repairs`` lists what it did).
 - ``ghost_shell_estimate``: halo atoms one rank must import if its
   subdomain is a slab (fractional widths ``1/g_a``) and the ghost width is
   ``w = cutoff + skin``: ``rho V [prod_a (1/g_a + 2 w / h_a) - 1/P]`` with
@@ -68,6 +71,7 @@ from twinshard.atoms.md import (
     maxwell_boltzmann,
     simulate,
 )
+from twinshard.atoms.md_files import prepare_outputs
 from twinshard.atoms.plain_inputs import evaluate_reference, evaluate_serial, potential_mode
 from twinshard.atoms.potentials import make_potential
 from twinshard.atoms.system import System
@@ -370,6 +374,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     dev = world.device  # every collective payload and per-atom tensor lives here
     mask = torch.zeros(119, dtype=torch.int64, device=dev)
     resume = torch.zeros(2, dtype=torch.float64, device=dev)  # [start step, bath heat so far]
+    notes: list[str] = []  # rank 0: what prepare_outputs removed or cut
     with agree_step("md: load the structure and check the options"):
         integ = make_integrator(cfg)  # option errors surface on every rank
         if cfg.steps < 0:
@@ -390,6 +395,8 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
             else:
                 system = load_structure(cfg)
             mask[system.numbers.unique().to(dev)] = 1
+            # the only writer checks its paths and repairs torn tails here, so errors reach every rank
+            notes = prepare_outputs(int(resume[0]), cfg.checkpoint, cfg.trajectory, cfg.thermo)
     mask = prim.broadcast(mask, 0, None, op="md_setup")
     resume = prim.broadcast(resume, 0, None, op="md_setup")
     start_step, heat0 = int(resume[0]), float(resume[1])
@@ -447,6 +454,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
             heat=heat0,
             checkpoint=cfg.checkpoint,
             checkpoint_every=cfg.checkpoint_every,
+            check_files=False,  # done above, inside the fail-together step
         )
     rss.__exit__(None, None, None)
     steps = max(cfg.steps - start_step, 1)
@@ -494,6 +502,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         "structure": cfg.restart or cfg.structure or "fcc_argon",
         "restart": cfg.restart,
         "checkpoint": cfg.checkpoint,
+        "file_repairs": notes,
         "energy_rel_error": None,
         "max_force_error": None,
         "max_stress_error": None,

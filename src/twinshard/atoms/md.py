@@ -21,7 +21,9 @@ Restart: :func:`simulate` can write a checkpoint every K steps (the whole system
 gathered on rank 0, written atomically by :func:`save_checkpoint`) and continue a
 run from one (``start_step``, ``heat``): step ``s`` always draws the noise of step
 ``s``, so an interrupted and resumed run, at any rank count, equals the
-uninterrupted one to round-off. A checkpoint holds positions, velocities, ids,
+uninterrupted one to round-off; before step 1 rank 0 checks the output paths, and a restart cuts
+the torn tails and the post-checkpoint frames/rows of the trajectory and thermo log
+(:mod:`twinshard.atoms.md_files`). A checkpoint holds positions, velocities, ids,
 numbers, masses, cell, pbc and extra per-atom arrays (not ``info``), the step,
 the integrator's settings (the thermostat state) and the RNG position (seed,
 stream, next step) plus the bath heat so far; it loads with
@@ -33,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,8 +43,10 @@ from typing import Any, Protocol
 import torch
 from ase import units
 
+from twinshard.atoms.md_files import THERMO_COLUMNS, prepare_outputs
 from twinshard.atoms.neighbors import VerletList
 from twinshard.atoms.system import System
+from twinshard.runtime.files import atomic_write
 from twinshard.tensors import rng
 
 __all__ = [
@@ -274,28 +277,17 @@ class SerialEngine:
 
 @dataclass
 class ThermoLog:
-    """Rows of (step, time_fs, potential, kinetic, temperature, conserved), eV and K."""
+    """Rows of (step, time_fs, potential, kinetic, temperature, conserved), eV and K.
+
+    ``resumed``: the file belongs to a restarted run (prepared by
+    :func:`~twinshard.atoms.md_files.repair_thermo`): :meth:`add` appends to it."""
 
     n_atoms: int
     rows: list[dict[str, float]] = field(default_factory=list)
     path: str | os.PathLike | None = None
+    resumed: bool = False
 
-    COLUMNS = ("step", "time_fs", "potential", "kinetic", "temperature", "conserved")
-
-    def resume(self, step: int) -> None:
-        """Continue the file of a run restarted at ``step``: keep its header and the rows up to
-        ``step`` (rows a killed run wrote after its last checkpoint are dropped); the next
-        :meth:`add` appends."""
-        self._resumed = True
-        if self.path is None or not os.path.exists(self.path):
-            return
-        with open(self.path) as f:
-            lines = f.read().splitlines()
-        keep = [
-            ln for ln in lines if ln.startswith("#") or (ln.split() and int(float(ln.split()[0])) <= step)
-        ]
-        with open(self.path, "w") as f:
-            f.write("".join(ln + "\n" for ln in keep))
+    COLUMNS = THERMO_COLUMNS
 
     def add(
         self,
@@ -317,7 +309,7 @@ class ThermoLog:
         }
         self.rows.append(row)
         if self.path is not None and write:
-            new = len(self.rows) == 1 and not getattr(self, "_resumed", False)
+            new = len(self.rows) == 1 and not self.resumed
             new = new or not os.path.exists(self.path)
             with open(self.path, "w" if new else "a") as f:
                 if new:
@@ -346,6 +338,7 @@ def simulate(
     heat: float = 0.0,
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int = 0,
+    check_files: bool = True,
 ) -> dict[str, Any]:
     """Run MD from step ``start_step`` up to step ``steps``; every rank calls it with its engine.
 
@@ -356,8 +349,12 @@ def simulate(
     file's rows up to ``start_step`` and appends); a trajectory frame (extxyz,
     gathered on rank 0) every ``trajectory_every`` steps; a checkpoint (gathered on
     rank 0, written atomically) every ``checkpoint_every`` steps and at the last
-    step. The global sums (energies, heat) and gathers are issued on every rank at
-    the same steps, so all ranks reach the same collectives. Returns ``{"thermo":
+    step. With ``check_files`` rank 0 first runs
+    :func:`~twinshard.atoms.md_files.prepare_outputs` (writable paths, stale temporaries, torn
+    tails on a restart); a distributed driver runs it inside a fail-together step and passes
+    False (an error raised on rank 0 alone would leave the other ranks waiting). The global
+    sums (energies, heat) and gathers are issued on every rank at the same steps, so all ranks
+    reach the same collectives. Returns ``{"thermo":
     ThermoLog, "seconds": float, "energy": final potential energy, "forces": final
     forces on the local atoms, "heat": bath heat of the whole run (global, eV),
     "step": last step}``.
@@ -371,11 +368,10 @@ def simulate(
         )
     if checkpoint is not None and checkpoint_every < 0:
         raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
-    log = ThermoLog(engine.n_atoms, path=thermo_path if engine.rank == 0 else None)
-    if start_step > 0:
-        log.resume(start_step)
-        if trajectory is not None and engine.rank == 0:
-            truncate_trajectory(trajectory, start_step)
+    if check_files and engine.rank == 0:
+        names = ("checkpoint=", "trajectory=", "thermo_path=")
+        prepare_outputs(start_step, checkpoint, trajectory, thermo_path, names=names)
+    log = ThermoLog(engine.n_atoms, path=thermo_path if engine.rank == 0 else None, resumed=start_step > 0)
     # Heat this rank's atoms exchanged with the bath so far; summed over ranks only when logged
     # (a sum of local sums), so a thermostat adds no collective to unlogged steps. A restart
     # carries the global sum so far on rank 0.
@@ -460,23 +456,6 @@ def simulate(
     }
 
 
-def truncate_trajectory(path: str | os.PathLike, step: int) -> None:
-    """Keep the frames of an extxyz trajectory up to ``step`` (each frame carries ``step=`` in its
-    info): frames a killed run wrote after its last checkpoint are dropped before a restart
-    appends. Frames without a step (files of other writers) are kept. Rewritten atomically."""
-    if not os.path.exists(path):
-        return
-    import ase.io
-
-    frames = ase.io.read(os.fspath(path), index=":", format="extxyz")
-    keep = [a for a in frames if int(a.info.get("step", -1)) <= step]
-    if len(keep) == len(frames):
-        return
-    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-    ase.io.write(tmp, keep, format="extxyz")
-    os.replace(tmp, path)
-
-
 # ------------------------------------------------------------------------ checkpoints
 
 CHECKPOINT_FORMAT = "twinshard.md.checkpoint"
@@ -518,33 +497,11 @@ def checkpoint_state(system: System, step: int, integrator: VelocityVerlet, heat
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically: a temporary file in the same directory,
-    flushed and fsynced, then ``os.replace`` (and the directory fsynced). A process
-    killed at any point leaves either the previous file or the new one, never a torn
-    one (a killed writer may leave a ``.tmp`` file beside it, which loading ignores)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:  # make the rename itself durable; not every platform/filesystem allows it
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+    """Write ``state`` to ``path`` atomically (:func:`~twinshard.runtime.atomic_write`: a
+    fsynced temporary in the same directory, renamed over ``path``). A process killed at any
+    point leaves either the previous file or the new one, never a torn one (a killed writer
+    may leave its ``.tmp`` file, which loading ignores and the next run removes)."""
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""Process worlds, grids and fail-together agreement."""
+"""Process worlds, grids, fail-together agreement and the atomic file writer."""
 
 from twinshard.runtime.agree import agree_step, check_all, raise_together
 from twinshard.runtime.errors import RankFailure, WorldError
+from twinshard.runtime.files import atomic_write
 from twinshard.runtime.grid import ProcessGrid, make_grid
 from twinshard.runtime.pool import WorkerPool, launch, reports, run_ranks, shared_pool
 from twinshard.runtime.world import (
@@ -25,6 +26,7 @@ __all__ = [
     "World",
     "WorldError",
     "agree_step",
+    "atomic_write",
     "attach_world",
     "check_all",
     "choose_backend",
