@@ -43,7 +43,23 @@ class Mutation:
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
-    # -- runtime: commands on the launched world; the failing rank named on every rank
+    # -- runtime: commands on the launched world; the failing rank named on every rank; messages
+    M(
+        "error_message_last_line_only",
+        "message lost",
+        "runtime/errors.py",
+        'return "\\n".join(ln for ln in lines[i:] if ln.strip())',
+        "return lines[-1]",
+        ("tests/test_cli_messages.py",),
+    ),
+    M(
+        "mace_notices_not_silenced",
+        "noise",
+        "atoms/potentials/mace.py",
+        'warnings.filterwarnings("ignore", message=message)',
+        "pass",
+        ("tests/test_cli_messages.py",),
+    ),
     M(
         "command_ignores_torchrun_world",
         "wrong world",

@@ -7,6 +7,7 @@ outside an agreement step under torchrun, and SIGINT to the parent of a local la
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,14 +158,18 @@ def test_sigkill_of_one_torchrun_rank_ends_every_rank_naming_it(tmp_path):
 
 
 def test_rank_raising_outside_an_agreement_step_is_named_by_its_peers(tmp_path):
-    # rank 0 alone writes the trajectory: an unwritable path fails there, after the step's
-    # collectives, while rank 1 goes on into the next force evaluation (a halo exchange)
-    log_path = tmp_path / "out.log"
-    cmd = TORCHRUN + ["2"] + MD + ["--steps", "20", "--trajectory", str(tmp_path / "no" / "t.extxyz")]
+    # rank 0 alone writes the trajectory: its folder removed during the run fails the next frame
+    # there, after the step's collectives, while rank 1 goes on into the next force evaluation
+    out_dir, thermo, log_path = tmp_path / "out", tmp_path / "thermo.log", tmp_path / "out.log"
+    out_dir.mkdir()
+    cmd = TORCHRUN + ["2"] + MD + ["--steps", "100000", "--trajectory", str(out_dir / "t.extxyz")]
+    cmd += ["--trajectory-every", "1", "--thermo", str(thermo), "--thermo-every", "1", "--json"]
     t = time.monotonic()
     with open(log_path, "w") as log:
         proc = _start(cmd, log)
     try:
+        _wait_rows(thermo, proc)
+        shutil.rmtree(out_dir)
         proc.wait(timeout=240)
     finally:
         _cleanup(proc)

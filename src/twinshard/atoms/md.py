@@ -46,6 +46,7 @@ from ase import units
 from twinshard.atoms.md_files import THERMO_COLUMNS, prepare_outputs
 from twinshard.atoms.neighbors import VerletList
 from twinshard.atoms.system import System
+from twinshard.runtime.errors import short_reason
 from twinshard.runtime.files import atomic_write
 from twinshard.tensors import rng
 
@@ -515,7 +516,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # torn/foreign files raise many types: one clear error
-        raise ValueError(f"checkpoint {path!r} cannot be read ({type(exc).__name__}: {exc})") from None
+        raise ValueError(
+            f"checkpoint {path!r} cannot be read ({short_reason(exc)}): it is torn or no twinshard "
+            "checkpoint; give the file written by --checkpoint"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path!r} is not a twinshard MD checkpoint (written by twinshard md --checkpoint)")
     if state.get("version") != CHECKPOINT_VERSION:

@@ -40,6 +40,7 @@ from twinshard.pair.layers.pairformer import CPPairformerStack, agree_scalars
 from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.reference.distogram import DistogramHead, distogram_loss
 from twinshard.pair.reference.pairformer import PairformerStack
+from twinshard.runtime.files import atomic_write
 
 __all__ = ["CPTrunk", "Trunk", "load_checkpoint", "save_checkpoint", "train_step"]
 
@@ -160,7 +161,7 @@ def save_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, step: int = 0
 ) -> None:
     """Write ``{"model", "optimizer", "step"}`` as plain tensors with the serial names (rank 0
-    writes; every rank waits for it)."""
+    writes, atomically: :func:`twinshard.runtime.atomic_write`; every rank waits for it)."""
     state = {
         "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
@@ -172,9 +173,7 @@ def save_checkpoint(
                 f"checkpoint entry {k!r} is a DTensor: parameters must be replicated plain tensors"
             )
     if _rank() == 0:
-        tmp = f"{os.fspath(path)}.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: torch.save(state, f))  # fsynced: a kill leaves old or new
     if dist.is_initialized():
         dist.barrier()
 

@@ -69,3 +69,15 @@ def exception_text(text: str) -> str:
     while i < len(lines) and lines[i].startswith("    "):  # its source line and ^^^ markers
         i += 1
     return "\n".join(ln for ln in lines[i:] if ln.strip())
+
+
+def short_reason(exc: BaseException) -> str:
+    """``Type: reason`` of ``exc`` in one line, for a message that wraps a library's error: the
+    first line of its text, or for torch.load's weights-only refusal (15 lines of advice) the line
+    that says what it met."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    reason = lines[0] if lines else ""
+    for i, ln in enumerate(lines[:-1]):
+        if ln.endswith("WeightsUnpickler error:"):
+            reason = lines[i + 1]
+    return f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__

@@ -208,9 +208,10 @@ def load_mace(path: str, device: str | torch.device = "cpu", dtype: torch.dtype 
     try:
         model = torch.load(path, map_location=device, weights_only=False)
     except Exception as exc:  # a torn or foreign file raises many types: one clear line
-        first = (str(exc).strip().splitlines() or [""])[0]
+        from twinshard.runtime.errors import short_reason
+
         raise ValueError(
-            f"model file {path!r} cannot be read as a saved MACE model ({type(exc).__name__}: {first}); "
+            f"model file {path!r} cannot be read as a saved MACE model ({short_reason(exc)}); "
             "give a file written by mace-torch (torch.save(model, path))"
         ) from None
     if not (isinstance(model, nn.Module) and hasattr(model, "r_max") and hasattr(model, "atomic_numbers")):
