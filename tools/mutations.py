@@ -43,6 +43,15 @@ class Mutation:
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
+    # -- the README's porting guide runs as written with the template
+    M(
+        "template_grad_seed_differs",
+        "wrong seed",
+        "testing/example.py",
+        "gy = random_grad_output((n, n, c))  # the default seed, which serial_reference draws too",
+        "gy = random_grad_output((n, n, c), seed=2)",
+        ("tests/test_readme.py",),
+    ),
     # -- runtime: commands on the launched world; the failing rank named on every rank; messages
     M(
         "error_message_last_line_only",
@@ -852,7 +861,7 @@ def run(mutations: list[Mutation], timeout: float, head: bool = False) -> list[d
         copy = Path(tmp)
         if head:  # the committed tree, whatever the working tree holds
             archive = subprocess.run(
-                ["git", "archive", "HEAD", "src", "tests", "pyproject.toml"],
+                ["git", "archive", "HEAD", "src", "tests", "pyproject.toml", "README.md"],
                 cwd=ROOT,
                 capture_output=True,
                 check=True,
@@ -863,6 +872,7 @@ def run(mutations: list[Mutation], timeout: float, head: bool = False) -> list[d
             shutil.copytree(ROOT / "src", copy / "src", ignore=ignore)
             shutil.copytree(ROOT / "tests", copy / "tests", ignore=ignore)
             shutil.copy2(ROOT / "pyproject.toml", copy / "pyproject.toml")
+            shutil.copy2(ROOT / "README.md", copy / "README.md")  # tests/test_readme.py runs its blocks
         env = dict(os.environ, PYTHONPATH=str(copy / "src"), TWINSHARD_EVIDENCE="", OMP_NUM_THREADS="1")
         for m in mutations:
             t0 = time.perf_counter()

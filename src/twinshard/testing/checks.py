@@ -18,6 +18,7 @@ from torch import nn
 
 from twinshard.comm.adjoint import adjoint_pair  # noqa: F401  (re-exported; it lives with the comm ops)
 from twinshard.testing.evidence import Evidence, log
+from twinshard.testing.inputs import GRAD_SEED
 
 # Where a rank's shard sits in the full tensor: a block (one slice per leading dim) or the
 # rows along dim 0 (e.g. atom global ids).
@@ -516,7 +517,7 @@ def serial_reference(
     module: nn.Module | None,
     forward: Any,
     inputs: Mapping[str, torch.Tensor],
-    grad_seed: int = 1234,
+    grad_seed: int = GRAD_SEED,
     grad_output: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Run the serial twin forward and backward (random grad_output) and return the keyword

@@ -14,8 +14,13 @@ def synthetic(
     return torch.randn(tuple(shape), generator=g, dtype=dtype) * scale  # a tuple: 0-d works too
 
 
+# The seed of a random grad_output on both sides of a parity test: the rank functions and
+# serial_reference draw the same one unless a test says otherwise on both sides.
+GRAD_SEED = 1234
+
+
 def random_grad_output(
-    like: torch.Tensor | tuple[int, ...], seed: int = 1234, dtype: torch.dtype | None = None
+    like: torch.Tensor | tuple[int, ...], seed: int = GRAD_SEED, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """A random (never uniform) gradient for backward: a uniform one (``.sum().backward()``)
     hides sign, permutation and transposition bugs in backward."""
