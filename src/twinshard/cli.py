@@ -28,7 +28,7 @@ def _demo_rank(sections: tuple[str, ...]) -> list[dict[str, Any]]:
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    from twinshard.runtime import reports, run_ranks
+    from twinshard.runtime import get_world, reports, run_ranks
 
     t = time.perf_counter()
     rows = run_ranks(_demo_rank, args.ranks, DEMO_SECTIONS, option="--ranks")[0]
@@ -36,7 +36,9 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     if not reports():
         return {"rows": rows}
     width = max(len(r["what"]) for r in rows)
-    print(f"twinshard demo: {args.ranks} local ranks (gloo), fp64, every result against its serial twin\n")
+    world = get_world()
+    where = f"{args.ranks} local ranks" if world is None else f"{world.size} ranks ({world.backend})"
+    print(f"twinshard demo: {where}, fp64, every result against its serial twin\n")
     print(f"{'what ran':<{width}}  {'grid':>5}  {'max abs err':>11}  {'bytes/rank':>10}")
     for r in rows:
         print(
@@ -134,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         message = exc.message() or "(no message)"
         where = f" in step {exc.step!r}" if exc.step else ""
-        print(
-            f"twinshard: error on rank {exc.rank}{where}: {message}{_reporter(exc.rank)}\n"
-            "(set TWINSHARD_DEBUG=1 for the full traceback)",
-            file=sys.stderr,
+        # one write: ranks share the launcher's stderr, and a line written in pieces interleaves
+        sys.stderr.write(
+            f"\ntwinshard: error on rank {exc.rank}{where}: {message}{_reporter(exc.rank)}\n"
+            "(set TWINSHARD_DEBUG=1 for the full traceback)\n"
         )
+        sys.stderr.flush()
         code = 1
     except BaseException:
         _end_world(1)
