@@ -51,6 +51,7 @@ from twinshard.atoms.md import (
     maxwell_boltzmann,
     simulate,
 )
+from twinshard.atoms.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
 from twinshard.atoms.system import System
 
 __all__ = ["MDResult", "run_md"]
@@ -65,7 +66,8 @@ class MDResult:
     ``forces [n, 3]`` (rows of ``system``), ``stress`` and ``virial`` ``[3, 3]`` of
     the final configuration (sign convention of
     :mod:`twinshard.atoms.potentials.base`; ``stress`` is ``None`` without a cell
-    volume); ``migrations`` and ``ranks`` of the run.
+    volume); ``migrations`` and ``ranks`` of the run; ``info``: the sanity bounds it was
+    checked against (``max_temperature`` K, ``max_force`` eV/A; ``None``: no bound).
     """
 
     system: System | None
@@ -145,6 +147,8 @@ def run_md(
     dtype: torch.dtype = torch.float64,
     progress: bool = False,
     timeout: float = 3600.0,
+    max_temperature: float = MAX_TEMPERATURE,
+    max_force: float = MAX_FORCE,
 ) -> MDResult:
     """Run distributed MD of ``system`` with ``potential`` and return the final state.
 
@@ -173,6 +177,11 @@ def run_md(
         checkpoint, checkpoint_every, restart: restart files (see :mod:`twinshard.atoms.md`).
         dtype: float dtype of the run (fp64 default).
         timeout: seconds the whole run may take with local ranks.
+        max_temperature, max_force: sanity bounds (K, eV/A; 0 or inf: none), checked on every
+            logged step (:mod:`twinshard.atoms.sanity`); a run that exceeds one, or whose
+            positions, energies or forces become non-finite, raises
+            :class:`~twinshard.atoms.sanity.Diverged` (a ValueError; in a RankFailure from local
+            ranks) naming the step.
 
     Returns:
         :class:`MDResult`.
@@ -207,6 +216,8 @@ def run_md(
         "checkpoint_every": int(checkpoint_every),
         "restart": None if restart is None else os.fspath(restart),
         "progress": bool(progress),
+        "max_temperature": bound("max_temperature", max_temperature),
+        "max_force": bound("max_force", max_force),
     }
     world = get_world()
     if world is None and in_torchrun():
@@ -299,6 +310,8 @@ def _md_rank(
         heat=heat0,
         checkpoint=opts["checkpoint"],
         checkpoint_every=opts["checkpoint_every"],
+        max_temperature=opts["max_temperature"],
+        max_force=opts["max_force"],
     )
     fin = dp.compute(sharded, compute_stress=True)
     counts = sharded.counts()
@@ -317,4 +330,5 @@ def _md_rank(
         steps=opts["steps"],
         start_step=start_step,
         seconds=out["seconds"],
+        info={k: opts[k] if opts[k] < float("inf") else None for k in ("max_temperature", "max_force")},
     )
