@@ -831,6 +831,39 @@ MUTATIONS: list[Mutation] = [
         "            pass  # another dim",
         ("tests/tensors/test_dispatch_situations.py",),
     ),
+    # -- sanity of a run (issue 23): divergence and explosion raise on every rank
+    M(
+        "sanity_halo_position_check_dropped",
+        "dropped check",
+        "atoms/sharded.py",
+        "return sanity.check_positions(allstats[:, :-1], limit), bool(",
+        "return float(allstats[:, 0].max()), bool(",
+        ("tests/atoms/test_sanity.py",),
+    ),
+    M(
+        "sanity_graph_position_check_dropped",
+        "dropped check",
+        "atoms/graph_storage.py",
+        "if disp > limit:  # replicated: every rank takes this branch",
+        "if disp != disp:",
+        ("tests/atoms/test_sanity.py",),
+    ),
+    M(
+        "sanity_temperature_bound_unchecked",
+        "dropped check",
+        "atoms/sanity.py",
+        'if row["temperature"] > max_temperature:',
+        "if False:",
+        ("tests/atoms/test_sanity.py",),
+    ),
+    M(
+        "sanity_calculator_nan_passed_to_ase",
+        "dropped check",
+        "atoms/calculator.py",
+        "check_finite(energy, per_atom, forces, res.stress)  # every rank holds the same values",
+        "pass",
+        ("tests/atoms/test_sanity.py",),
+    ),
 ]
 
 

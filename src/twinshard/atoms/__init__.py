@@ -12,12 +12,13 @@ The public names, importable from ``twinshard.atoms``:
   :func:`evaluate_distributed`;
 - dynamics: :func:`run_md` (one call, local ranks or torchrun), :class:`VelocityVerlet`,
   :class:`Langevin`, :func:`maxwell_boltzmann`, :func:`simulate`, :class:`SerialEngine`,
-  :class:`ThermoLog`, :func:`save_checkpoint`, :func:`load_checkpoint`;
-- ASE: :class:`TwinshardCalculator`.
+  :class:`ThermoLog`, :func:`save_checkpoint`, :func:`load_checkpoint`; :class:`Diverged`
+  (the error of a run that left physics: :mod:`twinshard.atoms.sanity`);
+- ASE: :class:`TwinshardCalculator` (:class:`NonFiniteResults` when the potential returns NaN/inf).
 """
 
 from twinshard.atoms.api import MDResult, run_md
-from twinshard.atoms.calculator import TwinshardCalculator, evaluate_distributed
+from twinshard.atoms.calculator import NonFiniteResults, TwinshardCalculator, evaluate_distributed
 from twinshard.atoms.distributed import DistributedPotential, DistributedResults
 from twinshard.atoms.io import StructureReadError, read, read_trajectory, write
 from twinshard.atoms.md import (
@@ -39,11 +40,13 @@ from twinshard.atoms.potentials import (
     evaluate,
     make_potential,
 )
+from twinshard.atoms.sanity import Diverged
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.structures import fcc_argon, lj_mixture, random_packing, triclinic_argon
 from twinshard.atoms.system import System
 
 __all__ = [
+    "Diverged",
     "DistributedPotential",
     "DistributedResults",
     "Graph",
@@ -51,6 +54,7 @@ __all__ = [
     "LennardJones",
     "MDResult",
     "MessagePassingPotential",
+    "NonFiniteResults",
     "Potential",
     "Results",
     "SerialEngine",

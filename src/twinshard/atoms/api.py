@@ -52,6 +52,7 @@ from twinshard.atoms.md import (
     simulate,
 )
 from twinshard.atoms.md_files import prepare_outputs
+from twinshard.atoms.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
 from twinshard.atoms.system import System
 
 __all__ = ["MDResult", "run_md"]
@@ -68,7 +69,8 @@ class MDResult:
     :mod:`twinshard.atoms.potentials.base`; ``stress`` is ``None`` without a cell
     volume); ``migrations`` and ``ranks`` of the run; ``info["file_repairs"]``: what rank 0
     removed or cut from the output files before step 1 (stale temporaries, torn tails; see
-    :mod:`twinshard.atoms.md_files`).
+    :mod:`twinshard.atoms.md_files`); ``info["max_temperature"]``, ``info["max_force"]``: the
+    sanity bounds it was checked against (K, eV/A; ``None``: no bound).
     """
 
     system: System | None
@@ -148,6 +150,8 @@ def run_md(
     dtype: torch.dtype = torch.float64,
     progress: bool = False,
     timeout: float = 3600.0,
+    max_temperature: float = MAX_TEMPERATURE,
+    max_force: float = MAX_FORCE,
 ) -> MDResult:
     """Run distributed MD of ``system`` with ``potential`` and return the final state.
 
@@ -176,6 +180,11 @@ def run_md(
         checkpoint, checkpoint_every, restart: restart files (see :mod:`twinshard.atoms.md`).
         dtype: float dtype of the run (fp64 default).
         timeout: seconds the whole run may take with local ranks.
+        max_temperature, max_force: sanity bounds (K, eV/A; 0 or inf: none), checked on every
+            logged step (:mod:`twinshard.atoms.sanity`); a run that exceeds one, or whose
+            positions, energies or forces become non-finite, raises
+            :class:`~twinshard.atoms.sanity.Diverged` (a ValueError; in a RankFailure from local
+            ranks) naming the step.
 
     Returns:
         :class:`MDResult`.
@@ -210,6 +219,8 @@ def run_md(
         "checkpoint_every": int(checkpoint_every),
         "restart": None if restart is None else os.fspath(restart),
         "progress": bool(progress),
+        "max_temperature": bound("max_temperature", max_temperature),
+        "max_force": bound("max_force", max_force),
     }
     world = get_world()
     if world is None and in_torchrun():
@@ -307,6 +318,8 @@ def _md_rank(
         checkpoint=opts["checkpoint"],
         checkpoint_every=opts["checkpoint_every"],
         check_files=False,  # done above, inside the fail-together step
+        max_temperature=opts["max_temperature"],
+        max_force=opts["max_force"],
     )
     fin = dp.compute(sharded, compute_stress=True)
     counts = sharded.counts()
@@ -325,5 +338,8 @@ def _md_rank(
         steps=opts["steps"],
         start_step=start_step,
         seconds=out["seconds"],
-        info={"file_repairs": notes},
+        info={
+            "file_repairs": notes,
+            **{k: opts[k] if opts[k] < float("inf") else None for k in ("max_temperature", "max_force")},
+        },
     )

@@ -31,14 +31,36 @@ from typing import Any
 
 import numpy as np
 import torch
-from ase.calculators.calculator import Calculator, all_changes
+from ase.calculators.calculator import Calculator, CalculatorError, all_changes
 from torch import nn
 
 from twinshard.atoms.plain_inputs import evaluate_serial
 from twinshard.atoms.potentials.base import Results
+from twinshard.atoms.sanity import nonfinite_rows
 from twinshard.atoms.system import System
 
-__all__ = ["TwinshardCalculator", "evaluate_distributed"]
+__all__ = ["NonFiniteResults", "TwinshardCalculator", "evaluate_distributed"]
+
+
+class NonFiniteResults(CalculatorError):
+    """The potential returned NaN/inf (raised on every rank: the results are replicated)."""
+
+
+def check_finite(energy: float, per_atom: torch.Tensor, forces: torch.Tensor, stress: Any) -> None:
+    """Raise :class:`NonFiniteResults` naming each non-finite quantity and its atoms (indices
+    of the ``Atoms``) instead of handing NaN/inf to ASE."""
+    bad = [] if np.isfinite(energy) else [f"energy ({energy})"]
+    for name, t in (("per-atom energies", per_atom), ("forces", forces)):
+        rows = nonfinite_rows(t)
+        if rows:
+            bad.append(f"{name} of atoms {rows[:10]}{' ...' if len(rows) > 10 else ''}")
+    if stress is not None and not bool(torch.isfinite(stress).all()):
+        bad.append("stress")
+    if bad:
+        raise NonFiniteResults(
+            f"TwinshardCalculator: the potential returned non-finite {', '.join(bad)}; check the "
+            "structure (two atoms at the same position, or closer than the potential can handle?)"
+        )
 
 
 def evaluate_distributed(
@@ -166,6 +188,7 @@ class TwinshardCalculator(Calculator):
             res = evaluate_serial(self.potential, system)
             per_atom, forces = res.per_atom, res.forces
         energy = float(res.energy)
+        check_finite(energy, per_atom, forces, res.stress)  # every rank holds the same values
         self.results["energy"] = energy
         self.results["free_energy"] = energy
         self.results["energies"] = per_atom.detach().cpu().double().numpy()

@@ -19,8 +19,13 @@ start and report the differences.
 Collectives per MD step (distributed): the potential's (halo forward exchange
 of positions and one per message-passing layer, their reverse exchanges in
 backward, one all_reduce of the energy), ``update``'s all_gather of the
-largest displacement (plus, on a rebuild, migration all_to_alls and the halo
-plan), and one thermo all_reduce (kinetic energy and bath heat) on logged steps.
+largest displacement and the position sanity report (plus, on a rebuild, migration
+all_to_alls and the halo plan; graph storage: the all_gather of the owned positions
+instead), and one thermo all_reduce (kinetic energy, bath heat and each rank's largest
+force) on logged steps. The sanity checks (:mod:`twinshard.atoms.sanity`: non-finite or
+runaway positions every step; non-finite energies or forces, ``--max-temperature`` and
+``--max-force`` on logged steps) ride on those collectives and add none; every rank raises
+the same error.
 
 Figures (per rank, reported by rank 0):
 - ``peak_memory_bytes_per_rank``: tensor bytes resident between steps (owned
@@ -74,6 +79,7 @@ from twinshard.atoms.md import (
 from twinshard.atoms.md_files import prepare_outputs
 from twinshard.atoms.plain_inputs import evaluate_reference, evaluate_serial, potential_mode
 from twinshard.atoms.potentials import make_potential
+from twinshard.atoms.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
 from twinshard.atoms.system import System
 from twinshard.runtime.world import COLLECTIVE_TIMEOUT  # noqa: F401  (moved to the runtime; re-exported)
 from twinshard.tensors.memory import RssWindow, peak_memory_during, storage_bytes
@@ -143,6 +149,8 @@ class MDConfig:
     checkpoint_every: int = 0
     restart: str | None = None
     json_arrays: bool = False
+    max_temperature: float = MAX_TEMPERATURE
+    max_force: float = MAX_FORCE
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -319,6 +327,7 @@ class DistributedEngine:
         self.sharded = sharded
         self.potential = potential
         self.rank = sharded.rank
+        self.n_ranks = sharded.nranks
         self.n_atoms = sharded.n_total
 
     positions = property(lambda self: self.sharded.positions)
@@ -381,6 +390,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
             raise ValueError(f"steps must be >= 0, got {cfg.steps}")
         if cfg.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
+        bounds = {k: bound(k, getattr(cfg, k)) for k in ("max_temperature", "max_force")}
         if rank == 0:
             if cfg.restart:
                 state = load_checkpoint(cfg.restart)
@@ -455,6 +465,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
             checkpoint=cfg.checkpoint,
             checkpoint_every=cfg.checkpoint_every,
             check_files=False,  # done above, inside the fail-together step
+            **bounds,
         )
     rss.__exit__(None, None, None)
     steps = max(cfg.steps - start_step, 1)
@@ -534,6 +545,8 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         "final_virial": mat(fin.virial),
         "conserved_drift": thermo.rows[-1]["conserved"] - thermo.rows[0]["conserved"],
         "atoms_conserved": bool(torch.equal(final.ids, all_ids)),
+        # the sanity bounds the run was checked against (null: no bound)
+        **{k: v if v < float("inf") else None for k, v in bounds.items()},
     }
     if cfg.json_arrays:
         assert final_ids is not None and final_forces is not None
@@ -579,6 +592,8 @@ def _serial_reference(
             thermo_every=max(1, cfg.thermo_every),
             start_step=start_step,
             heat=heat,
+            max_temperature=cfg.max_temperature,
+            max_force=cfg.max_force,
         )
     out = {
         "key": key,

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from twinshard.atoms import sanity
 from twinshard.atoms.distributed import DistributedResults
 from twinshard.atoms.graph_batch import (
     FIELDS,
@@ -323,17 +324,22 @@ class GraphSharded:
     def update(self, force: bool = False) -> bool:
         """Collective: re-replicate the positions (one all_gather of the owned rows) and rebuild
         the neighbour list if any atom moved more than ``skin / 2`` since the last build (the
-        decision is taken from replicated data: the same on every rank). Raises ValueError on every
-        rank if a position is NaN/inf. Returns whether it rebuilt. Memory: the ``N x 3`` replicated
-        positions and the owned receivers' edges."""
+        decision is taken from replicated data: the same on every rank). Raises
+        :class:`~twinshard.atoms.sanity.Diverged` (a ValueError) on every rank, before the neighbour
+        list, if a position is NaN/inf or jumped farther than ``cutoff + skin`` since the last build
+        (then, on that agreed path only, one all_gather of the owned ids names the atoms). Returns
+        whether it rebuilt. Memory: the ``N x 3`` replicated positions and the owned receivers'
+        edges."""
         self._replicate(agreed=True)
         x = self.all_positions
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(
-                "non-finite (NaN/inf) positions: the dynamics diverged; use a smaller time step or "
-                "check the potential and the start structure"
-            )
-        disp = float((x - self._ref).norm(dim=1).max()) if x.numel() else 0.0
+        limit = self.cutoff + self.skin
+        d = sanity.displacements(x, self._ref)
+        disp = float(d.max()) if d.numel() else 0.0
+        if disp > limit:  # replicated: every rank takes this branch
+            ids = self.all_gather_rows(self.ids)
+            lo, hi = self.offsets[:-1], self.offsets[1:]
+            rows = [sanity.position_report(x[a:b], self._ref[a:b], ids[a:b], limit) for a, b in zip(lo, hi)]
+            sanity.check_positions(torch.stack(rows), limit)
         if force or disp > 0.5 * self.skin:
             self._build()
             return True

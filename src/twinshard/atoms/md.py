@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import torch
 from ase import units
 
+from twinshard.atoms import sanity
 from twinshard.atoms.md_files import THERMO_COLUMNS, prepare_outputs
 from twinshard.atoms.neighbors import VerletList
 from twinshard.atoms.system import System
@@ -215,11 +216,14 @@ class Engine(Protocol):
     masses: torch.Tensor
     ids: torch.Tensor
     rank: int
+    n_ranks: int
     n_atoms: int  # global
 
     def set_state(self, positions: torch.Tensor, velocities: torch.Tensor, moved: bool) -> None:
         """Store the integrated state; ``moved``: positions changed (distributed: then a
-        collective update that may migrate atoms between ranks and reorder the rows)."""
+        collective update that may migrate atoms between ranks and reorder the rows). Raises
+        :class:`~twinshard.atoms.sanity.Diverged` on every rank if a position is non-finite or
+        jumped beyond ``cutoff + skin`` (:func:`~twinshard.atoms.sanity.check_positions`)."""
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(total potential energy, forces on the local atoms in the local order)."""
@@ -237,6 +241,7 @@ class SerialEngine:
     calculator; the oracle of ``--check-serial``), not twinshard's serial path."""
 
     rank = 0
+    n_ranks = 1
 
     def __init__(
         self, potential: torch.nn.Module, system: System, skin: float = 1.0, reference: bool = False
@@ -245,6 +250,7 @@ class SerialEngine:
         self.reference = reference
         self.system = system.clone()
         self.verlet = VerletList(float(potential.cutoff), skin)
+        self._ref = self.system.positions.detach().clone()  # the storages' "last build"
         self.n_atoms = system.n_atoms
 
     positions = property(lambda self: self.system.positions)
@@ -257,6 +263,11 @@ class SerialEngine:
         return self.verlet.n_builds
 
     def set_state(self, positions: torch.Tensor, velocities: torch.Tensor, moved: bool) -> None:
+        if moved:  # the storages' check and reference: reset once an atom moved skin / 2
+            limit = self.verlet.cutoff + self.verlet.skin
+            row = sanity.position_report(positions, self._ref, self.system.ids, limit)
+            if sanity.check_positions(row[None], limit) > 0.5 * self.verlet.skin:
+                self._ref = positions.detach().clone()
         self.system.positions = positions
         self.system.velocities = velocities
 
@@ -340,6 +351,8 @@ def simulate(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int = 0,
     check_files: bool = True,
+    max_temperature: float = sanity.MAX_TEMPERATURE,
+    max_force: float = sanity.MAX_FORCE,
 ) -> dict[str, Any]:
     """Run MD from step ``start_step`` up to step ``steps``; every rank calls it with its engine.
 
@@ -355,7 +368,14 @@ def simulate(
     tails on a restart); a distributed driver runs it inside a fail-together step and passes
     False (an error raised on rank 0 alone would leave the other ranks waiting). The global
     sums (energies, heat) and gathers are issued on every rank at the same steps, so all ranks
-    reach the same collectives. Returns ``{"thermo":
+    reach the same collectives.
+
+    Sanity (:mod:`twinshard.atoms.sanity`): every step, ``engine.set_state`` raises
+    :class:`~twinshard.atoms.sanity.Diverged` on every rank for non-finite or runaway positions
+    (here given the step); every logged step raises it for a non-finite energy or force, a
+    temperature above ``max_temperature`` (K) or a force above ``max_force`` (eV/A) (0 or inf:
+    no bound), from the thermo all_reduce, which also carries each rank's largest force.
+    Returns ``{"thermo":
     ThermoLog, "seconds": float, "energy": final potential energy, "forces": final
     forces on the local atoms, "heat": bath heat of the whole run (global, eV),
     "step": last step}``.
@@ -369,6 +389,8 @@ def simulate(
         )
     if checkpoint is not None and checkpoint_every < 0:
         raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+    max_temperature = sanity.bound("max_temperature", max_temperature)
+    max_force = sanity.bound("max_force", max_force)
     if check_files and engine.rank == 0:
         names = ("checkpoint=", "trajectory=", "thermo_path=")
         prepare_outputs(start_step, checkpoint, trajectory, thermo_path, names=names)
@@ -383,18 +405,27 @@ def simulate(
         device=engine.positions.device,
     )
 
-    def global_sums() -> tuple[float, float]:
-        local = torch.stack([kinetic_energy(engine.velocities, engine.masses), heat_local])
-        k, h = engine.reduce_sum(local).tolist()  # one collective for both sums
-        return k, h
+    def global_sums(forces: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+        # one collective for both sums and every rank's largest force (its own slot, zeros
+        # elsewhere: the sum is an exact gather); fp64, so the atom ids in the slots are exact
+        slots = torch.zeros(engine.n_ranks, 2, dtype=torch.float64, device=heat_local.device)
+        slots[engine.rank] = sanity.force_report(forces, engine.ids)
+        sums = torch.stack([kinetic_energy(engine.velocities, engine.masses), heat_local])
+        out = engine.reduce_sum(torch.cat([sums.to(torch.float64), slots.flatten()]))
+        k, h = out[:2].tolist()
+        return k, h, out[2:].view(-1, 2)
 
     last_heat = [float(heat)]
 
-    def record(step: int, energy: torch.Tensor, write: bool = True) -> None:
-        k, h = global_sums()
+    def record(step: int, energy: torch.Tensor, forces: torch.Tensor, write: bool = True) -> None:
+        k, h, fmax = global_sums(forces)
         last_heat[0] = h
         e = float(energy)
-        log.add(step, step * integrator.dt_fs, e, k, e + k - h, write=write)
+        row = log.add(step, step * integrator.dt_fs, e, k, e + k - h, write=write)
+        try:  # every rank holds the same values here: all raise together
+            sanity.check_thermo(row, fmax, max_temperature, max_force)
+        except sanity.Diverged as exc:
+            raise exc.at(step) from None
 
     def write_frame(step: int, energy: torch.Tensor) -> None:
         frame = engine.gather()  # a collective in a distributed run: every rank calls it
@@ -405,8 +436,8 @@ def simulate(
                 trajectory, frame, format="extxyz", append=step > 0, info={"step": step}, energy=float(energy)
             )
 
-    def write_checkpoint(step: int) -> None:
-        _, h = global_sums()  # collective
+    def write_checkpoint(step: int, forces: torch.Tensor) -> None:
+        _, h, _ = global_sums(forces)  # collective
         frame = engine.gather()  # collective
         if frame is not None and engine.rank == 0:
             save_checkpoint(checkpoint, checkpoint_state(frame, step, integrator, h))
@@ -414,7 +445,7 @@ def simulate(
     energy, forces = engine.compute()
     # a restart's first row was logged by the run that wrote the checkpoint: keep it in memory
     # (the drift figures start there) but do not write it twice
-    record(start_step, energy, write=start_step == 0)
+    record(start_step, energy, forces, write=start_step == 0)
     if trajectory is not None and start_step == 0:
         write_frame(0, energy)
     bar = None
@@ -427,17 +458,20 @@ def simulate(
         x, v, dheat = integrator.first(
             engine.positions, engine.velocities, forces, engine.masses, engine.ids, step
         )
-        engine.set_state(x, v, moved=True)
+        try:  # the positions are checked before they reach the neighbour list (every rank)
+            engine.set_state(x, v, moved=True)
+        except sanity.Diverged as exc:
+            raise exc.at(step) from None
         energy, forces = engine.compute()
         v, dheat2 = integrator.second(engine.velocities, forces, engine.masses, engine.ids, step)
         engine.set_state(engine.positions, v, moved=False)
         heat_local = heat_local + (dheat + dheat2)
         if step % thermo_every == 0 or step == steps:
-            record(step, energy)
+            record(step, energy, forces)
         if trajectory is not None and step % trajectory_every == 0:
             write_frame(step, energy)
         if checkpoint is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
-            write_checkpoint(step)
+            write_checkpoint(step, forces)
         if callback is not None:
             callback(step, engine)
         if bar is not None:

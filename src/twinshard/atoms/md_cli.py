@@ -15,6 +15,7 @@ from twinshard.atoms.driver import (
     MDConfig,
     md_rank,
 )
+from twinshard.atoms.sanity import MAX_FORCE, MAX_TEMPERATURE
 
 __all__ = ["add_md_parser", "config_from_args", "run_md"]
 
@@ -113,6 +114,22 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
         "balanced blocks, geometry replicated (plain models: --potential mpnn or mace)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-temperature",
+        type=float,
+        default=MAX_TEMPERATURE,
+        metavar="K",
+        help=f"stop with an error when a logged temperature exceeds this (default {MAX_TEMPERATURE:g} K; "
+        "0: no bound); energies, forces and positions must also stay finite",
+    )
+    p.add_argument(
+        "--max-force",
+        type=float,
+        default=MAX_FORCE,
+        metavar="EV_PER_A",
+        help=f"stop with an error when a logged step's largest force exceeds this "
+        f"(default {MAX_FORCE:g} eV/A: atoms nearly on top of each other; 0: no bound)",
+    )
     p.add_argument(
         "--check-serial",
         action="store_true",

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from twinshard.atoms import sanity
 from twinshard.atoms.halo import HaloPlan
 from twinshard.atoms.neighbors import Edges, RadiusGraph, lex_positive, neighbor_list
 from twinshard.atoms.partition import BlockPartition, SpatialPartition
@@ -350,29 +351,20 @@ class ShardedSystem:
 
     # -------------------------------------------------------------- update
     def max_displacement(self) -> float:
-        """Collective: the largest displacement of any atom since the last build (inf if NaN)."""
+        """Collective: the largest displacement of any atom since the last build."""
         return self._agree_update(False)[0]
 
     def _agree_update(self, force: bool) -> tuple[float, bool]:
-        """Collective (one all_gather): the largest displacement over all ranks, and whether any rank
-        asks for a rebuild; raises on every rank if any position is NaN/inf."""
+        """Collective (one all_gather of each rank's position report and rebuild request): the
+        largest displacement over all ranks and whether any rank asks for a rebuild; raises
+        :class:`~twinshard.atoms.sanity.Diverged` on every rank if any position is non-finite or
+        jumped beyond ``cutoff + skin`` (:func:`~twinshard.atoms.sanity.check_positions`)."""
         assert self._ref is not None
-        d = (self.positions.detach() - self._ref).norm(dim=1)
-        local = float(d.max()) if d.numel() else 0.0
-        bad = int((~torch.isfinite(self.positions.detach()).all(1)).sum())
-        stats = torch.tensor(
-            [[local if math.isfinite(local) else math.inf, float(bad), float(bool(force))]],
-            dtype=torch.float64,
-            device=self.device,
-        )
+        limit = self.cutoff + self.skin
+        row = sanity.position_report(self.positions, self._ref, self.ids, limit)
+        stats = torch.cat([row, row.new_tensor([float(bool(force))])])[None]
         allstats = prim.all_gather(stats, 0, self.group, op="update").cpu()
-        if bool((allstats[:, 1] > 0).any()):
-            where = {r: int(allstats[r, 1]) for r in range(self.nranks) if allstats[r, 1] > 0}
-            raise ValueError(
-                f"non-finite (NaN/inf) positions on ranks {where} (rank: atoms); the dynamics "
-                "diverged: use a smaller time step or check the potential and the start structure"
-            )
-        return float(allstats[:, 0].max()), bool((allstats[:, 2] > 0).any())
+        return sanity.check_positions(allstats[:, :-1], limit), bool((allstats[:, -1] > 0).any())
 
     def update(self, force: bool = False) -> bool:
         """Collective: after an integration step, migrate and rebuild if needed.
@@ -380,9 +372,12 @@ class ShardedSystem:
         Rebuilds (migration + halo plan + neighbour list) when ``force`` on any
         rank or when any atom on any rank moved more than ``skin / 2`` since the
         last build; every rank takes the same decision from one all_gather. Returns whether
-        it rebuilt. Raises ValueError on every rank if any position is NaN/inf.
+        it rebuilt. Raises :class:`~twinshard.atoms.sanity.Diverged` (a ValueError) on every rank,
+        before migration and the neighbour list, if any position is NaN/inf or jumped farther
+        than ``cutoff + skin`` since the last build (a diverged MD step).
 
-        Collectives: one all_gather of ``[max displacement, #non-finite, force]``; on a
+        Collectives: one all_gather of ``[max displacement, #non-finite, #jumped, 3 of their ids,
+        force]``; on a
         rebuild also (spatial partition, P > 1) one all_to_all of counts, one
         all_reduce of the number of migrating atoms and, if any moved, one
         all_to_all per field; then the halo plan (one all_gather of boxes, two
