@@ -36,10 +36,11 @@ from torch.distributed.tensor import DTensor
 from twinshard.comm import primitives as P
 from twinshard.pair.features import layout_of
 from twinshard.pair.layers.distogram import CPDistogramHead
-from twinshard.pair.layers.pairformer import CPPairformerStack, agree_scalars
+from twinshard.pair.layers.pairformer import CPPairformerStack
 from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.reference.distogram import DistogramHead, distogram_loss
 from twinshard.pair.reference.pairformer import PairformerStack
+from twinshard.runtime.agree import agree_scalars
 from twinshard.runtime.files import atomic_write
 
 __all__ = ["CPTrunk", "Trunk", "load_checkpoint", "save_checkpoint", "train_step"]

@@ -1,6 +1,6 @@
 """Process worlds, grids, fail-together agreement and the atomic file writer."""
 
-from twinshard.runtime.agree import agree_step, check_all, raise_together
+from twinshard.runtime.agree import agree_scalars, agree_step, check_all, raise_together
 from twinshard.runtime.errors import RankFailure, WorldError
 from twinshard.runtime.files import atomic_write
 from twinshard.runtime.grid import ProcessGrid, make_grid
@@ -25,6 +25,7 @@ __all__ = [
     "RankFailure",
     "World",
     "WorldError",
+    "agree_scalars",
     "agree_step",
     "atomic_write",
     "attach_world",

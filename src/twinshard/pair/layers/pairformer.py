@@ -48,11 +48,9 @@ O(N^2)).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -69,6 +67,7 @@ from twinshard.pair.layers.triangle_attention import (
     CPTriangleAttentionStartingNode,
 )
 from twinshard.pair.reference.pairformer import PairformerParts, build_layer, build_stack
+from twinshard.runtime.agree import agree_scalars  # re-exported: it moved to the runtime
 from twinshard.tensors.dtensor import PAIR, SINGLE, check_placements, from_local
 
 __all__ = ["CPPairformerLayer", "CPPairformerStack", "agree_scalars"]
@@ -76,65 +75,6 @@ __all__ = ["CPPairformerLayer", "CPPairformerStack", "agree_scalars"]
 
 def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a + b
-
-
-_MISSING = object()
-_LONG = 120  # characters: a longer value is shown where it first differs (or cut)
-
-
-def _shown(value: Any) -> str:
-    text = "<missing>" if value is _MISSING else repr(value)
-    return text if len(text) <= _LONG else f"{text[: _LONG - 20]}...{text[-12:]} ({len(text)} chars)"
-
-
-def _first_difference(values: list[Any]) -> tuple[str, list[Any]]:
-    """Distinct long values that are sequences of one length (nested): the index path of their
-    first differing element (``"[0][5]"``) and the elements there; ``("", values)`` otherwise."""
-    path = ""
-    while (
-        all(isinstance(v, (tuple, list)) for v in values)
-        and len({len(v) for v in values}) == 1
-        and max(len(repr(v)) for v in values) > _LONG
-    ):
-        i = next((i for i in range(len(values[0])) if len({repr(v[i]) for v in values}) > 1), None)
-        if i is None:
-            break
-        path, values = f"{path}[{i}]", [v[i] for v in values]
-    return path, values
-
-
-def agree_scalars(values: Mapping[str, Any], what: str, group: dist.ProcessGroup | None = None) -> None:
-    """Check that control-flow scalars (number of layers, recycles, seed, ...) are identical on
-    every rank of ``group`` before any rank uses them; raise the same ``ValueError`` on every
-    rank if they differ, naming each scalar that differs with its values and the ranks holding
-    each (``'seed': 11 on ranks [0, 1, 2], 12 on ranks [3]``; a long sequence at its first
-    differing element: ``'checksum' at [7]: ...``). One all-gather of Python objects; a no-op
-    without a process group of more than one rank."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    mine = sorted((str(k), v) for k, v in values.items())
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    # by repr: exact for numbers (shortest round-trip), and a NaN on every rank agrees
-    # (NaN != NaN would report identical values as differing)
-    if all(repr(v) == repr(every[0]) for v in every):
-        return
-    tables = [dict(v) for v in every]
-    parts = []
-    for key in sorted(set().union(*tables)):
-        held: dict[str, tuple[Any, list[int]]] = {}  # full repr -> (value, ranks), by first rank
-        for r, table in enumerate(tables):
-            value = table.get(key, _MISSING)
-            held.setdefault("<missing>" if value is _MISSING else repr(value), (value, []))[1].append(r)
-        if len(held) > 1:
-            path, shown = _first_difference([v for v, _ in held.values()])
-            at = f" at {path}" if path else ""
-            ranks = ", ".join(f"{_shown(v)} on ranks {rs}" for v, (_, rs) in zip(shown, held.values()))
-            parts.append(f"{key!r}{at}: {ranks}")
-    raise ValueError(
-        f"{what}: control-flow scalars differ across ranks ({'; '.join(parts)}); every rank must pass "
-        "the same values"
-    )
 
 
 CP_PARTS = PairformerParts(
