@@ -61,14 +61,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from twinshard.atoms.plain_inputs import dispatch_compute, dispatch_energies
-from twinshard.atoms.potentials.base import Graph, has_analytic, strained
+from twinshard.atoms.potentials.base import Graph, Results, has_analytic, strained
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.comm import primitives as prim
 from twinshard.comm.ops import sync_params
@@ -77,15 +77,9 @@ from twinshard.runtime import agree_step
 __all__ = ["DistributedPotential", "DistributedResults"]
 
 
-class DistributedResults(NamedTuple):
-    """``energy`` (replicated scalar), ``per_atom [n_owned]``, ``forces [n_owned, 3]``,
-    ``virial [3, 3]`` (replicated), ``stress [3, 3]`` or None (replicated)."""
-
-    energy: torch.Tensor
-    per_atom: torch.Tensor
-    forces: torch.Tensor
-    virial: torch.Tensor | None
-    stress: torch.Tensor | None
+# One result type for serial and distributed evaluations (per_atom and forces are the owned
+# rows when distributed); the old name stays for code that imported it.
+DistributedResults = Results
 
 
 class DistributedPotential:
@@ -218,7 +212,7 @@ class DistributedPotential:
 
     def compute(
         self, sharded: ShardedSystem, compute_stress: bool = True, create_graph: bool = False
-    ) -> DistributedResults:
+    ) -> Results:
         """Collective: total energy, owned per-atom energies, owned forces, virial, stress.
 
         ``create_graph`` keeps the graph of the forces (to train on forces);
@@ -233,7 +227,7 @@ class DistributedPotential:
             return self._compute_analytic(sharded, compute_stress)
         if self.mode == "dispatch":
             self._check_cutoff(sharded)
-            return DistributedResults(*dispatch_compute(self, sharded, compute_stress, create_graph))
+            return dispatch_compute(self, sharded, compute_stress, create_graph)
         dtype = sharded.dtype
         x = sharded.positions.detach().requires_grad_(True)
         strain = torch.zeros(3, 3, dtype=dtype, device=x.device, requires_grad=True)
@@ -258,9 +252,9 @@ class DistributedPotential:
                 stress = de / sharded.volume
         if not create_graph:
             per_atom, forces = per_atom.detach(), forces.detach()
-        return DistributedResults(energy, per_atom, forces, virial, stress)
+        return Results(energy, per_atom, forces, stress=stress, virial=virial)
 
-    def _compute_analytic(self, sharded: ShardedSystem, compute_stress: bool) -> DistributedResults:
+    def _compute_analytic(self, sharded: ShardedSystem, compute_stress: bool) -> Results:
         """Each pair once over all ranks (half list + owner rule), closed form, then the reverse sum."""
         clock = time.perf_counter
         self._check(sharded)
@@ -306,6 +300,6 @@ class DistributedPotential:
             "halo_reverse": t4 - t3,
             "all_reduce": t5 - t4,
         }
-        return DistributedResults(energy, per_atom, forces, virial, stress)
+        return Results(energy, per_atom, forces, stress=stress, virial=virial)
 
     __call__ = compute

@@ -58,7 +58,6 @@ import torch
 import torch.distributed as dist
 
 from twinshard.atoms import sanity
-from twinshard.atoms.distributed import DistributedResults
 from twinshard.atoms.graph_batch import (
     FIELDS,
     as_batch,
@@ -70,6 +69,7 @@ from twinshard.atoms.graph_batch import (
 )
 from twinshard.atoms.neighbors import RadiusGraph, neighbor_list
 from twinshard.atoms.plain_inputs import _call, system_values
+from twinshard.atoms.potentials.base import Results
 from twinshard.atoms.sharded import _a2a
 from twinshard.atoms.system import System
 from twinshard.comm import primitives as prim
@@ -456,7 +456,7 @@ def graph_energies(dp: Any, g: GraphSharded, positions: torch.Tensor | None = No
 
 def graph_compute(
     dp: Any, g: GraphSharded, compute_stress: bool = True, create_graph: bool = False
-) -> DistributedResults:
+) -> Results:
     """Collective: energies, owned per-atom energies and forces, virials and stresses of the
     batch, computed by the model itself (its ``torch.autograd.grad``).
 
@@ -495,4 +495,4 @@ def graph_compute(
         energy, per_atom, forces = energy.detach(), per_atom.detach(), forces.detach()
         virial = None if virial is None else virial.detach()
         stress = None if stress is None else stress.detach()
-    return DistributedResults(energy, per_atom, forces, virial, stress)
+    return Results(energy, per_atom, forces, stress=stress, virial=virial)

@@ -275,8 +275,8 @@ def dispatch_energies(dp: Any, sharded: ShardedSystem, positions: torch.Tensor |
     return _owned(out["node_energy"], sharded.n_owned)
 
 
-def dispatch_compute(dp: Any, sharded: ShardedSystem, compute_stress: bool, create_graph: bool) -> tuple:
-    """Collective: (energy, per_atom, forces, virial, stress) of a plain model computing its own
+def dispatch_compute(dp: Any, sharded: ShardedSystem, compute_stress: bool, create_graph: bool) -> Results:
+    """Collective: the :class:`Results` (owned rows) of a plain model computing its own
     forces and stress; energy, virial and stress come back replicated from the dispatch."""
     x = sharded.positions.detach().requires_grad_(True)
     data = block_inputs(sharded, x, cutoff=dp.cutoff)
@@ -293,4 +293,4 @@ def dispatch_compute(dp: Any, sharded: ShardedSystem, compute_stress: bool, crea
         energy, per_atom, forces = energy.detach(), per_atom.detach(), forces.detach()
         virial = None if virial is None else virial.detach()
         stress = None if stress is None else stress.detach()
-    return energy, per_atom, forces, virial, stress
+    return Results(energy, per_atom, forces, stress=stress, virial=virial)

@@ -154,7 +154,9 @@ class Potential(nn.Module):
 
 class Results(NamedTuple):
     """Energy (scalar tensor), per-atom energies [n], forces [n, 3], stress [3, 3] or None,
-    virial [3, 3] or None (see the module docstring for the sign convention)."""
+    virial [3, 3] or None (see the module docstring for the sign convention). The one result
+    type: a distributed evaluation returns it too, with the owned rows as ``per_atom`` and
+    ``forces`` and energy, stress and virial replicated."""
 
     energy: torch.Tensor
     per_atom: torch.Tensor
