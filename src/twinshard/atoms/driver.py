@@ -79,6 +79,7 @@ from twinshard.atoms.md import (
 from twinshard.atoms.md_files import prepare_outputs
 from twinshard.atoms.plain_inputs import evaluate_reference, evaluate_serial, potential_mode
 from twinshard.atoms.potentials import make_potential
+from twinshard.atoms.potentials.base import error_figures
 from twinshard.atoms.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
 from twinshard.atoms.system import System
 from twinshard.runtime.world import COLLECTIVE_TIMEOUT  # noqa: F401  (moved to the runtime; re-exported)
@@ -625,21 +626,24 @@ def _check_serial(
 ) -> dict[str, Any]:
     """Rank 0: differences between the distributed run and its serial twin."""
     ref = _serial_reference(cfg, potential, system, start_step, heat)
-    e_ref = float(ref["energy"])
-    out: dict[str, Any] = {
-        "energy_rel_error": abs(float(res0.energy) - e_ref) / max(abs(e_ref), 1e-300),
-        "max_force_error": float((_by_id(start_ids, start_forces) - ref["forces"]).abs().max()),
+    figures = error_figures(
+        res0.energy,
+        _by_id(start_ids, start_forces),
+        ref["energy"],
+        ref["forces"],
+        stress=res0.stress,
+        ref_stress=ref["stress"],
+        virial=res0.virial,
+        ref_virial=ref["virial"],
+    )
+    return {
+        **figures,
         "serial_peak_memory_bytes": ref["peak"],
         "serial_peak_rss_bytes": ref["peak_rss"],
         "max_position_error": float((final.positions - ref["final_positions"]).abs().max()),
         "serial_seconds_per_step": ref["seconds_per_step"],
         "serial_final_potential": ref["final_potential"],
     }
-    if ref["stress"] is not None and res0.stress is not None:
-        out["max_stress_error"] = float((res0.stress - ref["stress"]).abs().max())
-    if ref["virial"] is not None and res0.virial is not None:
-        out["max_virial_error"] = float((res0.virial - ref["virial"]).abs().max())
-    return out
 
 
 def result_keys() -> tuple[str, ...]:

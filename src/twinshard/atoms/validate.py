@@ -306,6 +306,7 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any] | None:
     """Serial and distributed (``cfg.ranks`` local ranks, or the torchrun world); the report (see
     the module docstring) on rank 0 or without a world, ``None`` on the other ranks of a world."""
     from twinshard.atoms.plain_inputs import evaluate_plain, evaluate_reference
+    from twinshard.atoms.potentials.base import error_figures
     from twinshard.runtime import reports, run_ranks
 
     system0 = load_system(cfg, _default_species(cfg))
@@ -338,12 +339,11 @@ def run_validate(cfg: ValidateConfig) -> dict[str, Any] | None:
         "atoms": system0.n_atoms,
         "energy": e,
         "serial_energy": float(ref.energy),
-        "energy_rel_error": abs(e - float(ref.energy)) / max(abs(float(ref.energy)), 1e-300),
-        "max_force_error": float((forces - ref.forces).abs().max()),
-        "max_stress_error": None,
     }
-    if ref.stress is not None and results[0]["stress"] is not None:
-        report["max_stress_error"] = float((results[0]["stress"] - ref.stress).abs().max())
+    figures = error_figures(
+        e, forces, ref.energy, ref.forces, stress=results[0]["stress"], ref_stress=ref.stress
+    )
+    report.update({k: figures[k] for k in ("energy_rel_error", "max_force_error", "max_stress_error")})
     tols = tolerances(next(model.parameters()).dtype)
     bad = [k for k, tol in tols.items() if report[k] is not None and not report[k] <= tol]
     report["tolerances"] = tols

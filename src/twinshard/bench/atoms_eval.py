@@ -244,21 +244,20 @@ _STATS = ("seconds", "peak", "build_peak", "rss", "halo", "owned", "neighbor_lis
 _PARTS = ("neighbor_list", "halo_forward", "pairs", "halo_reverse", "all_reduce")
 
 
-def _parity(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+def run_parity(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """A run's errors against the serial reference (its arrays popped: ids, forces, virial), and
+    the largest reference force (the scale of the force error)."""
     import torch
 
-    order = torch.argsort(run.pop("ids"))
-    forces = run.pop("forces")[order]
+    from twinshard.atoms.potentials.base import error_figures
+
+    forces = run.pop("forces")[torch.argsort(run.pop("ids"))]
     ref_f = ref["forces"][torch.argsort(ref["ids"])]
-    virial = run.pop("virial")
-    out = {
-        "energy_rel_error": abs(run["energy"] - float(ref["energy"])) / abs(float(ref["energy"])),
-        "max_force_error": float((forces - ref_f).abs().max()),
-        "max_force": float(ref_f.abs().max()),
-    }
-    if virial is not None and ref["virial"] is not None:
-        out["max_virial_error"] = float((virial - ref["virial"]).abs().max())
-    return out
+    figures = error_figures(
+        run["energy"], forces, ref["energy"], ref_f, virial=run.pop("virial"), ref_virial=ref["virial"]
+    )
+    out = {k: v for k, v in figures.items() if v is not None and k != "max_stress_error"}
+    return {**out, "max_force": float(ref_f.abs().max())}
 
 
 def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
@@ -284,7 +283,7 @@ def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
         ref = serial[p if args.weak else 1]
         for analytic in [True, False] if "analytic" in ref["paths"] and args.both_paths else [None]:
             r = pool.run(eval_rank, p, {**base, "analytic": analytic}, timeout=timeout)[0]
-            r.update(_parity(r, ref["reference"]))
+            r.update(run_parity(r, ref["reference"]))
             s = ref["paths"][r["path"]]
             r["serial_seconds"] = s["seconds"]
             r["time_ratio_to_serial"] = r["seconds_per_evaluation"] / s["seconds"]

@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from twinshard.bench.atoms_eval import _median, _ranks, bench_system, mace_model, warmups
+from twinshard.bench.atoms_eval import _median, _ranks, bench_system, mace_model, run_parity, warmups
 from twinshard.runtime import COLLECTIVE_TIMEOUT, shared_pool
 
 __all__ = ["overhead_rank", "reference_rank", "run_overhead"]
@@ -206,27 +206,12 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _parity(leg: dict[str, Any], ref: dict[str, Any]) -> None:
-    """Replace the leg's arrays by its errors against the serial plain model."""
-    import torch
-
-    f = leg.pop("forces")[torch.argsort(leg.pop("ids"))]
-    ref_f = ref["forces"][torch.argsort(ref["ids"])]
-    virial = leg.pop("virial")
-    e_ref = float(ref["energy"])
-    leg["energy_rel_error"] = abs(leg["energy"] - e_ref) / max(abs(e_ref), 1e-300)
-    leg["max_force_error"] = float((f - ref_f).abs().max())
-    leg["max_force"] = float(ref_f.abs().max())
-    if virial is not None and ref["virial"] is not None:
-        leg["max_virial_error"] = float((virial - ref["virial"]).abs().max())
-
-
 def check_agreement(run: dict[str, Any], ref: dict[str, Any]) -> None:
     """Parity of every leg of one run against the serial plain model (arrays replaced by their
     errors); raises if a leg disagrees beyond round-off, naming it: then the legs do not run the
     same model and weights, and the ratios would compare different computations."""
     for name, leg in run["legs"].items():
-        _parity(leg, ref)
+        leg.update(run_parity(leg, ref))  # its arrays replaced by its errors
         force = leg["max_force_error"] / max(leg["max_force"], 1e-300)
         if max(leg["energy_rel_error"], force) > AGREEMENT:
             raise ValueError(

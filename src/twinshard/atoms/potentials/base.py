@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -56,10 +56,42 @@ __all__ = [
     "graph_from_system",
     "strained",
     "energy_forces_stress",
+    "error_figures",
     "evaluate",
     "has_analytic",
     "lookup_species",
 ]
+
+
+def error_figures(
+    energy: Any,
+    forces: torch.Tensor,
+    ref_energy: Any,
+    ref_forces: torch.Tensor,
+    *,
+    stress: torch.Tensor | None = None,
+    ref_stress: torch.Tensor | None = None,
+    virial: torch.Tensor | None = None,
+    ref_virial: torch.Tensor | None = None,
+) -> dict[str, float | None]:
+    """The parity figures every report prints (``md --check-serial``, ``validate``, ``bench
+    atoms``): ``energy_rel_error`` (relative to ``|ref_energy|``, floored at 1e-300 so a zero
+    reference energy gives a large figure, not a division error), ``max_force_error`` (forces
+    in the same atom order), ``max_stress_error`` and ``max_virial_error`` (None where either
+    side has none)."""
+
+    def worst(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
+        if a is None or b is None:
+            return None
+        return float((a - b).abs().max()) if a.numel() else 0.0
+
+    e, e_ref = float(energy), float(ref_energy)
+    return {
+        "energy_rel_error": abs(e - e_ref) / max(abs(e_ref), 1e-300),
+        "max_force_error": worst(forces, ref_forces),
+        "max_stress_error": worst(stress, ref_stress),
+        "max_virial_error": worst(virial, ref_virial),
+    }
 
 
 def has_analytic(potential: object) -> bool:
