@@ -864,6 +864,31 @@ MUTATIONS: list[Mutation] = [
         "pass",
         ("tests/atoms/test_sanity.py",),
     ),
+    # -- checkpoint provenance and checksum (issue 18): a changed potential or payload is refused
+    M(
+        "checkpoint_checksum_not_compared",
+        "dropped check",
+        "atoms/provenance.py",
+        'elif state.get("checksum") != payload_checksum(state):',
+        "elif False:",
+        ("tests/atoms/test_checkpoint_provenance.py",),
+    ),
+    M(
+        "provenance_digest_ignores_values",
+        "blind digest",
+        "atoms/provenance.py",
+        "h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())",
+        "pass",
+        ("tests/atoms/test_checkpoint_provenance.py",),
+    ),
+    M(
+        "restart_potential_compare_skipped",
+        "dropped check",
+        "atoms/driver.py",
+        "if saved is not None:",
+        "if False:",
+        ("tests/atoms/test_checkpoint_provenance.py",),
+    ),
 ]
 
 

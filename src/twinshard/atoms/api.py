@@ -36,6 +36,7 @@ the final system is gathered on rank 0 only.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ from twinshard.atoms.md import (
     simulate,
 )
 from twinshard.atoms.md_files import prepare_outputs
+from twinshard.atoms.provenance import check_potential, check_structure, potential_provenance
 from twinshard.atoms.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
 from twinshard.atoms.system import System
 
@@ -70,7 +72,9 @@ class MDResult:
     volume); ``migrations`` and ``ranks`` of the run; ``info["file_repairs"]``: what rank 0
     removed or cut from the output files before step 1 (stale temporaries, torn tails; see
     :mod:`twinshard.atoms.md_files`); ``info["max_temperature"]``, ``info["max_force"]``: the
-    sanity bounds it was checked against (K, eV/A; ``None``: no bound).
+    sanity bounds it was checked against (K, eV/A; ``None``: no bound);
+    ``info["potential_notice"]``: on a restart with ``allow_changed_potential``, what changed
+    (``None``: nothing).
     """
 
     system: System | None
@@ -147,6 +151,7 @@ def run_md(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int = 0,
     restart: str | os.PathLike | None = None,
+    allow_changed_potential: bool = False,
     dtype: torch.dtype = torch.float64,
     progress: bool = False,
     timeout: float = 3600.0,
@@ -177,7 +182,12 @@ def run_md(
             by index, geometry replicated; :mod:`twinshard.atoms.graph_storage`).
         trajectory, trajectory_every: extxyz frames gathered on rank 0.
         thermo, thermo_every: the thermo log file (written by rank 0).
-        checkpoint, checkpoint_every, restart: restart files (see :mod:`twinshard.atoms.md`).
+        checkpoint, checkpoint_every, restart: restart files (see :mod:`twinshard.atoms.md`). A
+            checkpoint records the potential (class, cutoff, LJ table, a digest of its
+            state_dict) and the structure (:mod:`twinshard.atoms.provenance`): a restart with
+            another potential raises a ValueError naming what differs, unless
+            ``allow_changed_potential``; a ``system`` given with ``restart`` must be the
+            checkpoint's structure (atom count, ids, species).
         dtype: float dtype of the run (fp64 default).
         timeout: seconds the whole run may take with local ranks.
         max_temperature, max_force: sanity bounds (K, eV/A; 0 or inf: none), checked on every
@@ -218,6 +228,7 @@ def run_md(
         "checkpoint": None if checkpoint is None else os.fspath(checkpoint),
         "checkpoint_every": int(checkpoint_every),
         "restart": None if restart is None else os.fspath(restart),
+        "allow_changed_potential": bool(allow_changed_potential),
         "progress": bool(progress),
         "max_temperature": bound("max_temperature", max_temperature),
         "max_force": bound("max_force", max_force),
@@ -264,20 +275,32 @@ def _md_rank(
     resume = torch.zeros(2, dtype=torch.float64, device=world.device)
     mine: System | None = None
     notes: list[str] = []  # rank 0: what prepare_outputs removed or cut
+    provenance = changed = None
     with agree_step("run_md: check the inputs"):
         if opts["steps"] < 0:
             raise ValueError(f"steps must be >= 0, got {opts['steps']}")
         if opts["storage"] not in ("halo", "graph"):
             raise ValueError(f"storage must be 'halo' or 'graph', got {opts['storage']!r}")
-        if rank == 0:
+        if rank == 0:  # it holds the checkpoint; this step raises its errors on every rank
+            provenance = potential_provenance(potential)  # recorded in the checkpoints it writes
             if opts["restart"]:
                 state = load_checkpoint(opts["restart"])
                 check_restart(state, integ, repr(opts["restart"]))
+                if system is not None:
+                    check_structure(state, system, repr(opts["restart"]))
                 if state["step"] > opts["steps"]:
                     raise ValueError(
                         f"checkpoint {opts['restart']!r} is at step {state['step']} but steps is "
                         f"{opts['steps']}: steps counts the whole run"
                     )
+                changed = check_potential(
+                    state,
+                    provenance,
+                    repr(opts["restart"]),
+                    same="potential (class, cutoff, parameters)",
+                    override="allow_changed_potential=True",
+                    allow=opts["allow_changed_potential"],
+                )
                 mine = state["system"].to(dtype=system.dtype if system is not None else torch.float64)
                 resume[0], resume[1] = float(state["step"]), float(state["heat"])
             else:
@@ -290,6 +313,8 @@ def _md_rank(
             names = ("checkpoint=", "trajectory=", "thermo=")
             paths = (opts["checkpoint"], opts["trajectory"], opts["thermo"])
             notes = prepare_outputs(int(resume[0]), *paths, names=names)  # errors reach every rank
+    if changed:
+        print(f"twinshard: {changed}", file=sys.stderr, flush=True)
     resume = prim.broadcast(resume, 0, None, op="md_setup")
     start_step, heat0 = int(resume[0]), float(resume[1])
     if opts["storage"] == "graph":
@@ -320,6 +345,7 @@ def _md_rank(
         check_files=False,  # done above, inside the fail-together step
         max_temperature=opts["max_temperature"],
         max_force=opts["max_force"],
+        provenance=provenance,
     )
     fin = dp.compute(sharded, compute_stress=True)
     counts = sharded.counts()
@@ -340,6 +366,7 @@ def _md_rank(
         seconds=out["seconds"],
         info={
             "file_repairs": notes,
+            "potential_notice": changed,
             **{k: opts[k] if opts[k] < float("inf") else None for k in ("max_temperature", "max_force")},
         },
     )

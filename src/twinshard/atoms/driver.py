@@ -51,7 +51,11 @@ atomically on rank 0; ``--restart FILE`` continues from it, at any rank count,
 up to ``--steps`` (which counts the whole run). Before step 1 rank 0 checks that the
 ``--checkpoint/--trajectory/--thermo`` paths are writable, removes the temporaries killed
 writers left, and on a restart cuts torn tails (:mod:`twinshard.atoms.md_files`; the result's
-``file_repairs`` lists what it did).
+``file_repairs`` lists what it did). A checkpoint records the potential and the structure
+(:mod:`twinshard.atoms.provenance`); a restart with another potential (class, cutoff, LJ table,
+weights, model file) refuses unless ``--allow-changed-potential`` (then the result's
+``potential_notice`` says what changed), and a structure given with ``--restart`` must be the
+checkpoint's (atom count, ids, species).
 - ``ghost_shell_estimate``: halo atoms one rank must import if its
   subdomain is a slab (fractional widths ``1/g_a``) and the ghost width is
   ``w = cutoff + skin``: ``rho V [prod_a (1/g_a + 2 w / h_a) - 1/P]`` with
@@ -62,6 +66,7 @@ writers left, and on a restart cuts torn tails (:mod:`twinshard.atoms.md_files`;
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +85,7 @@ from twinshard.atoms.md_files import prepare_outputs
 from twinshard.atoms.plain_inputs import evaluate_reference, evaluate_serial, potential_mode
 from twinshard.atoms.potentials import make_potential
 from twinshard.atoms.potentials.base import error_figures
+from twinshard.atoms.provenance import check_potential, check_structure, potential_provenance
 from twinshard.atoms.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
 from twinshard.atoms.system import System
 from twinshard.runtime.world import COLLECTIVE_TIMEOUT  # noqa: F401  (moved to the runtime; re-exported)
@@ -149,6 +155,7 @@ class MDConfig:
     checkpoint: str | None = None
     checkpoint_every: int = 0
     restart: str | None = None
+    allow_changed_potential: bool = False
     json_arrays: bool = False
     max_temperature: float = MAX_TEMPERATURE
     max_force: float = MAX_FORCE
@@ -385,6 +392,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     mask = torch.zeros(119, dtype=torch.int64, device=dev)
     resume = torch.zeros(2, dtype=torch.float64, device=dev)  # [start step, bath heat so far]
     notes: list[str] = []  # rank 0: what prepare_outputs removed or cut
+    saved: dict[str, Any] | None = None  # rank 0: the checkpoint, for the provenance check
     with agree_step("md: load the structure and check the options"):
         integ = make_integrator(cfg)  # option errors surface on every rank
         if cfg.steps < 0:
@@ -394,8 +402,10 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         bounds = {k: bound(k, getattr(cfg, k)) for k in ("max_temperature", "max_force")}
         if rank == 0:
             if cfg.restart:
-                state = load_checkpoint(cfg.restart)
+                saved = state = load_checkpoint(cfg.restart)
                 check_restart(state, integ, repr(cfg.restart))
+                if cfg.structure is not None or cfg.atoms is not None:  # a structure was named
+                    check_structure(state, load_structure(cfg), repr(cfg.restart))
                 if state["step"] > cfg.steps:
                     raise ValueError(
                         f"checkpoint {cfg.restart!r} is at step {state['step']} but --steps is "
@@ -412,8 +422,22 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     resume = prim.broadcast(resume, 0, None, op="md_setup")
     start_step, heat0 = int(resume[0]), float(resume[1])
     species = torch.nonzero(mask).flatten().tolist()
+    provenance = changed = None
     with agree_step("md: build the potential"):
         potential = potential_from_config(cfg, species).to(dev)  # e.g. the LJ species table
+        if rank == 0:  # it holds the checkpoint; the step raises a difference on every rank
+            provenance = potential_provenance(potential, cfg.model)
+            if saved is not None:
+                changed = check_potential(
+                    saved,
+                    provenance,
+                    repr(cfg.restart),
+                    same="--potential/--cutoff/--epsilon/--sigma/--lj/--no-shift/--model options",
+                    override="--allow-changed-potential",
+                    allow=cfg.allow_changed_potential,
+                )
+    if changed:
+        print(f"twinshard md: {changed}", file=sys.stderr, flush=True)
     if cfg.storage == "graph":  # atoms split by index, geometry replicated (atoms.graph_storage)
         from twinshard.atoms.graph_storage import GraphSharded
 
@@ -466,6 +490,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
             checkpoint=cfg.checkpoint,
             checkpoint_every=cfg.checkpoint_every,
             check_files=False,  # done above, inside the fail-together step
+            provenance=provenance,
             **bounds,
         )
     rss.__exit__(None, None, None)
@@ -515,6 +540,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         "restart": cfg.restart,
         "checkpoint": cfg.checkpoint,
         "file_repairs": notes,
+        "potential_notice": changed,
         "energy_rel_error": None,
         "max_force_error": None,
         "max_stress_error": None,

@@ -26,8 +26,10 @@ the torn tails and the post-checkpoint frames/rows of the trajectory and thermo 
 (:mod:`twinshard.atoms.md_files`). A checkpoint holds positions, velocities, ids,
 numbers, masses, cell, pbc and extra per-atom arrays (not ``info``), the step,
 the integrator's settings (the thermostat state) and the RNG position (seed,
-stream, next step) plus the bath heat so far; it loads with
-``torch.load(weights_only=True)`` (:func:`load_checkpoint`).
+stream, next step) plus the bath heat so far, what produced it (the potential's and the
+structure's identity, :mod:`twinshard.atoms.provenance`) and a SHA-256 checksum of all that; it
+loads with ``torch.load(weights_only=True)`` (:func:`load_checkpoint`, which refuses a payload
+that does not match its checksum).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from ase import units
 from twinshard.atoms import sanity
 from twinshard.atoms.md_files import THERMO_COLUMNS, prepare_outputs
 from twinshard.atoms.neighbors import VerletList
+from twinshard.atoms.provenance import check_payload, payload_checksum, structure_identity
 from twinshard.atoms.system import System
 from twinshard.runtime.errors import short_reason
 from twinshard.runtime.files import atomic_write
@@ -353,6 +356,7 @@ def simulate(
     check_files: bool = True,
     max_temperature: float = sanity.MAX_TEMPERATURE,
     max_force: float = sanity.MAX_FORCE,
+    provenance: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run MD from step ``start_step`` up to step ``steps``; every rank calls it with its engine.
 
@@ -363,7 +367,9 @@ def simulate(
     file's rows up to ``start_step`` and appends); a trajectory frame (extxyz,
     gathered on rank 0) every ``trajectory_every`` steps; a checkpoint (gathered on
     rank 0, written atomically) every ``checkpoint_every`` steps and at the last
-    step. With ``check_files`` rank 0 first runs
+    step, recording ``provenance`` (the potential's,
+    :func:`~twinshard.atoms.provenance.potential_provenance`; needed on rank 0 only). With
+    ``check_files`` rank 0 first runs
     :func:`~twinshard.atoms.md_files.prepare_outputs` (writable paths, stale temporaries, torn
     tails on a restart); a distributed driver runs it inside a fail-together step and passes
     False (an error raised on rank 0 alone would leave the other ranks waiting). The global
@@ -440,7 +446,7 @@ def simulate(
         _, h, _ = global_sums(forces)  # collective
         frame = engine.gather()  # collective
         if frame is not None and engine.rank == 0:
-            save_checkpoint(checkpoint, checkpoint_state(frame, step, integrator, h))
+            save_checkpoint(checkpoint, checkpoint_state(frame, step, integrator, h, provenance))
 
     energy, forces = engine.compute()
     # a restart's first row was logged by the run that wrote the checkpoint: keep it in memory
@@ -494,15 +500,23 @@ def simulate(
 # ------------------------------------------------------------------------ checkpoints
 
 CHECKPOINT_FORMAT = "twinshard.md.checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: provenance and checksum; version 1 still loads, unchecked
 
 
-def checkpoint_state(system: System, step: int, integrator: VelocityVerlet, heat: float) -> dict[str, Any]:
+def checkpoint_state(
+    system: System,
+    step: int,
+    integrator: VelocityVerlet,
+    heat: float,
+    potential: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The checkpoint of ``system`` (the whole system, ordered by id) after ``step``.
 
     Plain values and tensors only, so it loads with ``torch.load(weights_only=True)``.
     The RNG is counter-based (keyed by seed, stream, atom id, step, component): its
-    position is the next step to draw.
+    position is the next step to draw. ``"provenance"`` holds ``potential`` (the record of
+    :func:`~twinshard.atoms.provenance.potential_provenance`, or None: unknown) and the
+    structure's identity; :func:`save_checkpoint` adds the checksum.
     """
     integ = integrator.state()
     return {
@@ -518,6 +532,7 @@ def checkpoint_state(system: System, step: int, integrator: VelocityVerlet, heat
             "stream": LANGEVIN_STREAM,
             "next_step": int(step) + 1,
         },
+        "provenance": {"potential": potential, "structure": structure_identity(system)},
         "system": {
             "positions": system.positions.detach().cpu(),
             "velocities": system.velocities.detach().cpu(),
@@ -535,14 +550,19 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """Write ``state`` to ``path`` atomically (:func:`~twinshard.runtime.atomic_write`: a
     fsynced temporary in the same directory, renamed over ``path``). A process killed at any
     point leaves either the previous file or the new one, never a torn one (a killed writer
-    may leave its ``.tmp`` file, which loading ignores and the next run removes)."""
+    may leave its ``.tmp`` file, which loading ignores and the next run removes). The state is
+    stored with ``"checksum"``: the SHA-256 of everything else
+    (:func:`~twinshard.atoms.provenance.payload_checksum`)."""
+    state = {**state, "checksum": payload_checksum(state)}
     atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint (``torch.load(weights_only=True)``); ``"system"`` becomes a System.
 
-    Raises ValueError naming the file if it is missing or not a twinshard MD checkpoint.
+    Raises ValueError naming the file if it is missing, not a twinshard MD checkpoint, or
+    corrupted (its payload does not match its checksum). A version-1 checkpoint (no checksum,
+    no provenance) loads with a one-line notice on stderr that neither can be checked.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -556,10 +576,11 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path!r} is not a twinshard MD checkpoint (written by twinshard md --checkpoint)")
-    if state.get("version") != CHECKPOINT_VERSION:
+    if state.get("version") not in (1, CHECKPOINT_VERSION):
         raise ValueError(
             f"checkpoint {path!r} has version {state.get('version')}, expected {CHECKPOINT_VERSION}"
         )
+    check_payload(state, repr(path))
     f = state["system"]
     state = dict(state)
     state["system"] = System(

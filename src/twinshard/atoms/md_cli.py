@@ -154,6 +154,12 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
         "give the same --thermostat/--dt/--temperature/--friction/--seed and potential options",
     )
     p.add_argument(
+        "--allow-changed-potential",
+        action="store_true",
+        help="with --restart: continue with a potential other than the one that wrote the "
+        "checkpoint (other class, cutoff, LJ parameters, weights or model file) on purpose",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=3600.0,

@@ -45,6 +45,10 @@ def _bessel(r: torch.Tensor, cutoff: float, n_basis: int) -> torch.Tensor:
 class PlainMessagePassing(nn.Module):
     """Invariant message passing (SchNet-like), plain PyTorch; arguments as ``MessagePassingPotential``."""
 
+    # the same function and state_dict as MessagePassingPotential: a checkpoint of either restarts
+    # with the other (--storage graph <-> halo; atoms.provenance)
+    provenance_class = "twinshard.atoms.potentials.mpnn.MessagePassingPotential"
+
     def __init__(
         self,
         species: Sequence[int] = (18,),
