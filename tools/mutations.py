@@ -270,7 +270,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "langevin_key_local_row",
         "wrong key",
-        "atoms/md.py",
+        "atoms/integrators.py",
         "xi = rng.normal(self.seed, LANGEVIN_STREAM, ida, int(step), comp, dtype=v.dtype, device=v.device)",
         "xi = rng.normal(self.seed, LANGEVIN_STREAM, ida - ida.min(), int(step), comp, dtype=v.dtype, device=v.device)",
         ("tests/atoms/test_md_parity.py", "tests/atoms/test_md.py"),
