@@ -97,13 +97,13 @@ def _migrate_duplicate(mp: pytest.MonkeyPatch) -> None:
 
 def _langevin_row_keys(mp: pytest.MonkeyPatch) -> None:
     """Langevin noise keyed by the local row instead of the global atom id."""
-    from twinshard.atoms import md
+    from twinshard.atoms import integrators
 
     def keys(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.arange(ids.shape[0], dtype=torch.int64, device=ids.device)
         return rows[:, None], torch.arange(3, dtype=torch.int64, device=ids.device)[None, :]
 
-    mp.setattr(md, "_keys", keys)
+    mp.setattr(integrators, "_keys", keys)
 
 
 def _block_inputs_drops_wrap_shift(mp: pytest.MonkeyPatch) -> None:

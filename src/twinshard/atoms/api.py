@@ -272,6 +272,7 @@ def _md_rank(
 
     world = require_world("twinshard.atoms.run_md")
     rank = world.rank
+    potential = potential.to(world.device)  # where it runs; its provenance is read there too
     resume = torch.zeros(2, dtype=torch.float64, device=world.device)
     mine: System | None = None
     notes: list[str] = []  # rank 0: what prepare_outputs removed or cut
@@ -327,7 +328,7 @@ def _md_rank(
         )
     from twinshard.atoms.plain_inputs import potential_mode
 
-    dp = DistributedPotential(potential.to(world.device), mode=potential_mode(potential))
+    dp = DistributedPotential(potential, mode=potential_mode(potential))
     engine = DistributedEngine(sharded, dp)
     out = simulate(
         engine,

@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 
 from twinshard.comm import primitives as prim
-from twinshard.comm.ops import agree_requires_grad
 from twinshard.runtime.world import require_world
+from twinshard.tensors.custom_ops import halo_forward, halo_reverse
 
 __all__ = ["HaloPlan", "frame_coordinates", "rank_box", "neighbour_ranks", "select_ghosts"]
 
@@ -347,29 +347,16 @@ class HaloPlan:
 
     # ----------------------------------------------------------- exchanges
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Halo copies ``[n_halo, ...]`` of owned rows ``x [n_owned, ...]`` (differentiable)."""
-        if x.shape[0] != self.n_owned:
-            raise ValueError(f"halo forward: expected {self.n_owned} owned rows, got {x.shape[0]}")
-        if self._differentiable(x, "halo_forward"):
-            return _HaloForward.apply(x, self)
-        return self._forward_raw(x)
+        """Halo copies ``[n_halo, ...]`` of owned rows ``x [n_owned, ...]``, differentiable: the one
+        halo exchange, ``twinshard::halo_forward`` (:func:`twinshard.tensors.custom_ops.halo_forward`:
+        a replicated autograd vote for floating ``x``; backward the reverse exchange, and double
+        backward this one again)."""
+        return halo_forward(x, self)
 
     def reverse(self, y: torch.Tensor) -> torch.Tensor:
-        """Owner sums ``[n_owned, ...]`` of halo partials ``y [n_halo, ...]`` (differentiable)."""
-        if y.shape[0] != self.n_halo:
-            raise ValueError(f"halo reverse: expected {self.n_halo} halo rows, got {y.shape[0]}")
-        if self._differentiable(y, "halo_reverse"):
-            return _HaloReverse.apply(y, self)
-        return self._reverse_raw(y)
-
-    def _differentiable(self, x: torch.Tensor, what: str) -> bool:
-        """The replicated choice of the autograd path (a rank that differentiates posts the reverse
-        exchange in backward, so all its peers must too): one vote per rank, a mismatch raises on
-        every rank (``comm.agree_requires_grad``). Integer payloads (atomic numbers) never vote:
-        their dtype is the same on every rank."""
-        if not x.is_floating_point():
-            return False
-        return agree_requires_grad(x.requires_grad, what, self.group)[0]
+        """Owner sums ``[n_owned, ...]`` of halo partials ``y [n_halo, ...]``, differentiable
+        (``twinshard::halo_reverse``, :func:`twinshard.tensors.custom_ops.halo_reverse`)."""
+        return halo_reverse(y, self)
 
     def refresh(self, h: torch.Tensor) -> torch.Tensor:
         """``[owned | halo]`` rows with the halo overwritten by the owners' current values."""
@@ -449,31 +436,3 @@ def _exchange(sends: list, recvs: list, dtype: torch.dtype, op: str) -> list[tor
     if not sends and not recvs:
         return []
     return prim.exchange(sends, recvs, dtype=dtype, op=op)  # type: ignore[return-value]
-
-
-# The backward of each exchange is the other one, applied as a Function so that double
-# backward (training on forces) works; ledger names follow "<op>:backward".
-class _HaloForward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor, plan: HaloPlan, op: str = "halo_forward") -> torch.Tensor:
-        ctx.plan, ctx.op = plan, op
-        return plan._forward_raw(x, op)
-
-    @staticmethod
-    def backward(ctx: object, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _HaloReverse.apply(g.contiguous(), ctx.plan, _backward_name(ctx.op)), None, None
-
-
-class _HaloReverse(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: object, y: torch.Tensor, plan: HaloPlan, op: str = "halo_reverse") -> torch.Tensor:
-        ctx.plan, ctx.op = plan, op
-        return plan._reverse_raw(y, op)
-
-    @staticmethod
-    def backward(ctx: object, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _HaloForward.apply(g.contiguous(), ctx.plan, _backward_name(ctx.op)), None, None
-
-
-def _backward_name(op: str) -> str:
-    return op if op.endswith(":backward") else op + ":backward"
