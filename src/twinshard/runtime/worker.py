@@ -33,11 +33,12 @@ BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from twinshard.
 
 def command(fd: int, index: int, port: int, threads: int | None, parent: int) -> list[str]:
     """The command line of worker ``index`` talking on file descriptor ``fd``."""
+    path = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike))]  # spawn's sys.path
     return [
         sys.executable,
         "-c",
         BOOT,
-        json.dumps(sys.path),
+        json.dumps(path),
         str(fd),
         str(index),
         str(port),
