@@ -98,6 +98,7 @@ class WorkerPool:
                 p, conn = self._start(i)
                 started.append(i)
                 if i < len(self._procs):
+                    self._conns[i].close()  # the ended worker's end: no descriptor left behind
                     self._procs[i], self._conns[i] = p, conn
                     self._world = None  # a replaced worker joins no old world
                 else:
