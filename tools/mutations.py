@@ -85,6 +85,27 @@ MUTATIONS: list[Mutation] = [
         "gone: list[int] = []",
         ("tests/runtime/test_no_hang.py::test_sigkill_of_one_torchrun_rank_ends_every_rank_naming_it",),
     ),
+    M(
+        "job_pickled_by_reference",
+        "user path",
+        "runtime/pool.py",
+        "call = cloudpickle.dumps((fn, args, kwargs))",
+        "call = pickle.dumps((fn, args, kwargs))",
+        (
+            "tests/runtime/test_runtime.py::test_jobs_travel_by_value_where_pickle_cannot_import_them",
+            "tests/atoms/test_user_scripts.py",
+        ),
+    ),
+    M(
+        "sigint_traceback_not_caught",
+        "message lost",
+        "cli.py",
+        "except (KeyboardInterrupt, Stopped, ConnectionError, EOFError) as exc:",
+        "except (Stopped, ConnectionError, EOFError) as exc:",
+        (
+            "tests/runtime/test_no_hang.py::test_signal_to_the_parent_of_a_local_launch_ends_in_one_line_and_no_orphans",
+        ),
+    ),
     # -- comm: adjoints, reductions, routing
     M(
         "all_reduce_bwd_dropped",

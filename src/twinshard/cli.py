@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; under torchrun every rank runs it inside ``rank_guard``, so a failure on
     one rank ends every rank with an error naming it (see ``twinshard.runtime.watchdog``)."""
     from twinshard.runtime import RankFailure, get_world
-    from twinshard.runtime.watchdog import rank_guard
+    from twinshard.runtime.watchdog import Stopped, rank_guard
 
     args = build_parser().parse_args(argv)
     joined = get_world() is None  # a world this call joins (torchrun) is ended here, not an enclosing one
@@ -143,10 +143,36 @@ def main(argv: list[str] | None = None) -> int:
         )
         sys.stderr.flush()
         code = 1
+    except (KeyboardInterrupt, Stopped, ConnectionError, EOFError) as exc:  # one line, no traceback
+        if os.environ.get("TWINSHARD_DEBUG"):
+            _end_world(1)
+            raise
+        code = _stopped(exc)
     except BaseException:
         _end_world(1)
         raise
     return _end_world(code) if joined else code
+
+
+def _stopped(exc: BaseException) -> int:
+    """Say in one line that a signal or a dying local rank ended the command, after stopping the
+    local ranks; the exit code (128 + signal number for a signal, as a shell reports it)."""
+    import signal
+
+    from twinshard.runtime import stop_local_ranks
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the cleanup
+    had_ranks = stop_local_ranks()
+    ranks = "; the local ranks were stopped" if had_ranks else ""
+    if isinstance(exc, KeyboardInterrupt):
+        what, code = "stopped by SIGINT (Ctrl-C)", 128 + signal.SIGINT
+    elif isinstance(exc, (ConnectionError, EOFError)):
+        what, code = f"a local rank process died (its connection broke: {type(exc).__name__})", 1
+    else:  # watchdog.Stopped: SIGTERM under rank_guard
+        what, code = str(exc).replace("stopped by signal", "stopped by"), 128 + signal.SIGTERM
+    sys.stderr.write(f"\ntwinshard: {what}{ranks}\n")
+    sys.stderr.flush()
+    return code
 
 
 def _reporter(origin: int) -> str:

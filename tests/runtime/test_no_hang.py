@@ -1,8 +1,9 @@
 """No hangs, clear errors, no orphans: a failing rank is named on every rank, within the timeout.
 
-The store logic of ``rank_guard`` runs in-process on a pool world (fast); three subprocess
+The store logic of ``rank_guard`` runs in-process on a pool world (fast); subprocess
 tests exercise the real entry point: a rank SIGKILLed under torchrun, a rank that raises
-outside an agreement step under torchrun, and SIGINT to the parent of a local launch.
+outside an agreement step under torchrun, SIGINT and SIGTERM to the parent of a local launch,
+and a local rank killed while the workers start (each ends in one line on stderr).
 """
 
 import os
@@ -182,24 +183,69 @@ def test_rank_raising_outside_an_agreement_step_is_named_by_its_peers(tmp_path):
     assert time.monotonic() - t < 240
 
 
-def test_sigint_to_the_parent_of_a_local_launch_leaves_no_orphans(tmp_path):
-    thermo, log_path = tmp_path / "thermo.log", tmp_path / "out.log"
-    cmd = [sys.executable] + MD + ["--ranks", "4", "--steps", "100000"]
+def _wait_gone(pids, limit=30.0):
+    end = time.monotonic() + limit
+    while time.monotonic() < end and [p for p in pids if _alive(p)]:
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+def _stderr_lines(path):
+    return [ln for ln in path.read_text().splitlines() if ln.strip()]
+
+
+@pytest.mark.parametrize(
+    "sig, line",
+    [
+        (signal.SIGINT, "twinshard: stopped by SIGINT (Ctrl-C); the local ranks were stopped"),
+        (signal.SIGTERM, "twinshard: stopped by SIGTERM; the local ranks were stopped"),
+    ],
+)
+def test_signal_to_the_parent_of_a_local_launch_ends_in_one_line_and_no_orphans(tmp_path, sig, line):
+    thermo, err_path = tmp_path / "thermo.log", tmp_path / "err.log"
+    cmd = [sys.executable] + MD + ["--ranks", "2", "--steps", "100000"]
     cmd += ["--thermo", str(thermo), "--thermo-every", "1", "--json"]
-    with open(log_path, "w") as log:
-        proc = _start(cmd, log)
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env(), start_new_session=True, text=True
+        )
     kids = []
     try:
         _wait_rows(thermo, proc)
         kids = _children(proc.pid)
-        assert len(kids) >= 4
-        os.kill(proc.pid, signal.SIGINT)
+        assert len(kids) == 2, kids  # the workers, and nothing else
+        os.kill(proc.pid, sig)
         proc.wait(timeout=60)
-        end = time.monotonic() + 30
-        while time.monotonic() < end and [p for p in kids if _alive(p)]:
-            time.sleep(0.2)
-        left = [p for p in kids if _alive(p)]
+        left = _wait_gone(kids)
     finally:
         _cleanup(proc, kids)
-    assert proc.returncode != 0
+    assert proc.returncode == 128 + sig
     assert not left, f"orphan workers {left}"
+    assert _stderr_lines(err_path) == [line]
+
+
+def test_rank_killed_while_the_workers_start_is_named_in_one_line(tmp_path):
+    err_path = tmp_path / "err.log"
+    cmd = [sys.executable] + MD + ["--ranks", "2", "--steps", "20"]
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env(), start_new_session=True, text=True
+        )
+    kids = []
+    try:
+        end = time.monotonic() + 120
+        while len(kids) < 2 and time.monotonic() < end and proc.poll() is None:
+            kids = sorted(_children(proc.pid))
+            time.sleep(0.02)
+        assert len(kids) == 2, f"no two workers started (exit {proc.poll()})"
+        os.kill(kids[1], signal.SIGKILL)  # worker 1, long before its torch import is done
+        proc.wait(timeout=120)
+        left = _wait_gone(kids)
+    finally:
+        _cleanup(proc, kids)
+    assert proc.returncode == 1
+    assert not left, f"orphan workers {left}"
+    lines = _stderr_lines(err_path)
+    assert len(lines) == 2 and lines[1] == "(set TWINSHARD_DEBUG=1 for the full traceback)", lines
+    assert lines[0].startswith("twinshard: error on rank 1: rank 1 process died"), lines
+    assert "killed by SIGKILL" in lines[0], lines

@@ -144,3 +144,17 @@ def test_profiling_a_collective_leaves_the_group_destroyable():
     for extra, held in run_on_world(_profiled_collective_keeps_no_group, 2):
         assert held == [], f"torch.distributed.nn.functional defaults hold a process group: {held}"
         assert extra == 0, f"a profiled collective left {extra} references to the default process group"
+
+
+def test_jobs_travel_by_value_where_pickle_cannot_import_them():
+    scale = 10
+
+    def nested(x):  # a closure: no importable name, so cloudpickle sends it by value
+        return (get_world().rank + x) * scale
+
+    assert run_on_world(nested, 2, 1) == [10, 20]
+    assert run_on_world(lambda: get_world().size, 2) == [2, 2]
+    import threading
+
+    with pytest.raises(TypeError, match="job for the local ranks cannot be pickled.*no open files, locks"):
+        run_on_world(nested, 2, threading.Lock())

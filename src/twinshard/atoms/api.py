@@ -5,20 +5,19 @@
     import ase.build
     from twinshard.atoms import LennardJones, run_md
 
-    if __name__ == "__main__":          # local ranks are spawned processes
-        atoms = ase.build.bulk("Ar", "fcc", a=5.26, cubic=True).repeat(6)
-        out = run_md(atoms, LennardJones(cutoff=8.5), ranks=4, steps=200,
-                     thermostat="langevin", temperature=60.0, trajectory="traj.extxyz")
-        print(out.thermo.rows[-1], out.system.n_atoms, out.stress)
+    atoms = ase.build.bulk("Ar", "fcc", a=5.26, cubic=True).repeat(6)
+    out = run_md(atoms, LennardJones(cutoff=8.5), ranks=4, steps=200,
+                 thermostat="langevin", temperature=60.0, trajectory="traj.extxyz")
+    print(out.thermo.rows[-1], out.system.n_atoms, out.stress)
 
 Where it runs:
 
 - from a plain Python session or script: ``ranks`` local processes (the shared
   worker pool of :mod:`twinshard.runtime`, kept for the next call). The
-  potential and the system travel pickled to every rank, so a potential class
-  must be importable by the workers (defined in a module, not in ``__main__``
-  of a script or a notebook cell), and a script needs the ``if __name__ ==
-  "__main__":`` guard (the ranks are spawned);
+  potential and the system travel cloudpickled to every rank: a potential class
+  defined in a script, on standard input or in a notebook cell goes by value.
+  The workers never import the caller's ``__main__``, so a script needs no
+  ``if __name__ == "__main__":`` guard;
 - under ``torchrun`` (or inside any initialised twinshard world): on the
   launched world; every rank calls ``run_md`` with the same arguments and rank
   0's system is used (``ranks`` is ignored).

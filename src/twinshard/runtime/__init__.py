@@ -4,7 +4,7 @@ from twinshard.runtime.agree import agree_scalars, agree_step, check_all, raise_
 from twinshard.runtime.errors import RankFailure, WorldError
 from twinshard.runtime.files import atomic_write
 from twinshard.runtime.grid import ProcessGrid, make_grid
-from twinshard.runtime.pool import WorkerPool, launch, reports, run_ranks, shared_pool
+from twinshard.runtime.pool import WorkerPool, launch, reports, run_ranks, shared_pool, stop_local_ranks
 from twinshard.runtime.world import (
     COLLECTIVE_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -42,5 +42,6 @@ __all__ = [
     "run_ranks",
     "shared_pool",
     "shutdown_world",
+    "stop_local_ranks",
     "WorkerPool",
 ]

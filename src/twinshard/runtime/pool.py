@@ -3,16 +3,20 @@
 Spawning a rank costs seconds (Python + torch import), so a ``WorkerPool``
 keeps its processes and reuses them: a job on n ranks runs on workers 0..n-1,
 which (re)build their world only when n, the backend or the timeout changed.
-Jobs and results travel pickled by value over pipes; functions must be
-importable (module level) and the parent's ``sys.path`` is replayed in the
-worker first, so test modules import there as they do in the parent.
+Workers are fresh interpreters that never import the caller's ``__main__`` (see
+``twinshard.runtime.worker``), so local ranks work from a script without an
+``if __name__ == "__main__":`` guard, from standard input and from a notebook.
+Jobs travel cloudpickled (what is defined in ``__main__`` goes by value, the
+rest by reference), results pickled; the parent's ``sys.path`` is replayed in
+the worker first, so test modules import there as they do in the parent.
 
 Failure handling: when a rank raises, the other ranks get ``FAILURE_GRACE``
 seconds to report (fail-together steps make them raise promptly), then any
 still running are stopped and one RankFailure names the failing rank, carries
 its traceback and lists the stuck ranks. A job with no result after its
-timeout stops the ranks that have not answered and names them. Stopped
-workers are replaced on the next job.
+timeout stops the ranks that have not answered and names them; an interrupt
+(Ctrl-C, or SIGTERM under ``rank_guard``) while ranks start or run stops them
+and propagates. Stopped workers are replaced on the next job.
 """
 
 from __future__ import annotations
@@ -20,139 +24,115 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import cloudpickle
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from twinshard.runtime.errors import RankFailure
+from twinshard.runtime import worker
+from twinshard.runtime.errors import RankFailure, short_reason
 from twinshard.runtime.world import (
     COLLECTIVE_TIMEOUT,
     DEFAULT_TIMEOUT,
-    attach_world,
-    failure_payload,
     free_port,
     get_world,
     in_torchrun,
     init_world,
     raise_failures,
-    set_threads,
-    shutdown_world,
 )
 
 FAILURE_GRACE = 3.0
 SPAWN_TIMEOUT = 300.0
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel kills this worker when the launching process dies (even by SIGKILL),
-    so a worker blocked in a collective is never left behind as an orphan."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except Exception:  # not fatal: the pipe's EOF still ends an idle worker
-        return
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
-
-
-def _worker(index: int, conn: Connection, port: int, threads: int | None, parent: int | None = None) -> None:
-    if parent is not None:
-        _die_with_parent(parent)
-    set_threads(threads)
-    os.environ.setdefault("TWINSHARD_WORKER", str(index))
-    store = None
-    key = None
-    conn.send_bytes(b"ready")  # torch is imported: the parent may start the job clock
-    while True:
+def _died(code: int | None) -> str:
+    """How a worker process ended, for a message: its exit code, or the signal that killed it."""
+    if code is not None and code < 0:
         try:
-            msg = conn.recv_bytes()
-        except EOFError:
-            return
-        path, job = pickle.loads(msg)
-        for p in reversed(path):
-            if p not in sys.path:
-                sys.path.insert(0, p)
-        try:
-            jid, world_key, fn, args, kwargs = pickle.loads(job)
-            gen, size, backend, timeout = world_key
-            if key != world_key:
-                if get_world() is not None:
-                    shutdown_world()
-                if store is None:
-                    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-                attach_world(
-                    index,
-                    size,
-                    store=dist.PrefixStore(f"world{gen}", store),
-                    backend=backend,
-                    timeout=timeout,
-                )
-                key = world_key
-            out = (jid, True, fn(*args, **kwargs))
-        except BaseException as exc:  # every failure goes back to the parent, never swallowed
-            key = None  # a failed rank may have left its world broken: rebuild it next time
-            out = (jid if "jid" in locals() else -1, False, failure_payload(exc))
-        try:
-            data = pickle.dumps(out)
-        except Exception as exc:
-            data = pickle.dumps((out[0], False, f"result of rank {index} is not picklable: {exc!r}"))
-        try:
-            conn.send_bytes(data)
-        except OSError:  # the parent is gone (it stopped waiting, or exited): nothing to report to
-            return
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
 
 
 class WorkerPool:
-    """Reusable local rank processes (spawned lazily, replaced when stopped)."""
+    """Reusable local rank processes (started lazily, replaced when stopped)."""
 
     def __init__(self, threads: int | None = 1):
         self.threads = threads
-        self._ctx = mp.get_context("spawn")
         self._port = free_port()
         self._store = dist.TCPStore(
             "127.0.0.1", self._port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )
-        self._procs: list[Any] = []
+        self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         self._gen = 0
         self._world: tuple | None = None
         self._jid = 0
 
-    def _ensure(self, n: int) -> None:
-        started = []
-        for i in range(n):
-            if i < len(self._procs) and self._procs[i].is_alive():
-                continue
-            parent, child = self._ctx.Pipe()
-            p = self._ctx.Process(
-                target=_worker, args=(i, child, self._port, self.threads, os.getpid()), daemon=True
-            )
-            p.start()
+    def _start(self, i: int) -> tuple[subprocess.Popen, Connection]:
+        parent, child = Pipe()  # a socket pair: the child's end travels as a file descriptor
+        try:
+            fd = child.fileno()
+            cmd = worker.command(fd, i, self._port, self.threads, os.getpid())
+            # stdin: the parent's may be the script itself (``python - < script.py``)
+            p = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        finally:
             child.close()
-            started.append((i, parent))
-            if i < len(self._procs):
-                self._procs[i], self._conns[i] = p, parent
-                self._world = None  # a replaced worker joins no old world
-            else:
-                self._procs.append(p)
-                self._conns.append(parent)
-        for i, conn in started:  # spawning is slow on a loaded machine: not part of a job's timeout
-            if not conn.poll(SPAWN_TIMEOUT) or conn.recv_bytes() != b"ready":
-                raise RuntimeError(f"worker {i} did not start within {SPAWN_TIMEOUT:.0f} s")
+        return p, parent
+
+    def _ensure(self, n: int) -> None:
+        started: list[int] = []
+        try:
+            for i in range(n):
+                if i < len(self._procs) and self._procs[i].poll() is None:
+                    continue
+                p, conn = self._start(i)
+                started.append(i)
+                if i < len(self._procs):
+                    self._conns[i].close()  # the ended worker's end: no descriptor left behind
+                    self._procs[i], self._conns[i] = p, conn
+                    self._world = None  # a replaced worker joins no old world
+                else:
+                    self._procs.append(p)
+                    self._conns.append(conn)
+            for i in started:  # starting is slow on a loaded machine: not part of a job's timeout
+                if not self._conns[i].poll(SPAWN_TIMEOUT):
+                    raise RankFailure({i: f"rank {i} process did not start within {SPAWN_TIMEOUT:.0f} s"})
+                try:
+                    ready = self._conns[i].recv_bytes()
+                except (EOFError, OSError):
+                    raise RankFailure(
+                        {i: f"rank {i} process died while starting ({self._end_of(i)})"}
+                    ) from None
+                if ready != b"ready":
+                    raise RankFailure(
+                        {i: f"rank {i} process sent {ready[:40]!r} instead of its ready signal"}
+                    )
+        except BaseException:  # a Ctrl-C, or one that failed: none half-started is left for the next job
+            for i in started:
+                self._stop(i)
+            raise
+
+    def _end_of(self, i: int) -> str:
+        """How worker ``i``, whose connection broke, ended (a dying process may take a moment)."""
+        try:
+            return _died(self._procs[i].wait(timeout=5))
+        except subprocess.TimeoutExpired:
+            self._stop(i)
+            return "its connection broke; stopped"
 
     def _stop(self, i: int) -> None:
         self._procs[i].kill()
-        self._procs[i].join()
+        self._procs[i].wait()
         self._world = None
 
     def run(
@@ -172,16 +152,30 @@ class WorkerPool:
         """
         if nprocs < 1:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        try:  # by value what a worker cannot import (defined in __main__, nested), by reference the rest
+            call = cloudpickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise TypeError(
+                f"the job for the local ranks cannot be pickled ({short_reason(exc)}): pass a function "
+                "and arguments that pickle (no open files, locks, sockets or generators)"
+            ) from exc
         self._ensure(nprocs)
         if self._world is None or self._world[1:] != (nprocs, backend, timeout):
             self._gen += 1
             self._world = (self._gen, nprocs, backend, timeout)
         self._jid += 1
-        job = pickle.dumps((self._jid, self._world, fn, args, kwargs))
-        msg = pickle.dumps((list(sys.path), job))
-        for i in range(nprocs):
-            self._conns[i].send_bytes(msg)
-        outs, failures, silent = self._collect(nprocs, timeout if deadline is None else deadline)
+        msg = pickle.dumps((list(sys.path), (self._jid, self._world, call)))
+        try:
+            for i in range(nprocs):
+                try:
+                    self._conns[i].send_bytes(msg)
+                except OSError:  # it died since _ensure: _collect reports it
+                    pass
+            outs, failures, silent = self._collect(nprocs, timeout if deadline is None else deadline)
+        except BaseException:  # a Ctrl-C or SIGTERM (watchdog.Stopped) while the ranks run: stop them
+            for i in range(nprocs):
+                self._stop(i)
+            raise
         stuck = tuple(sorted(silent))
         for r in stuck:  # still running the job: unusable until replaced
             self._stop(r)
@@ -212,9 +206,9 @@ class WorkerPool:
                     jid, ok, payload = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     jid, ok = self._jid, False
-                    payload = f"rank {i} process died (exit code {self._procs[i].exitcode})"
+                    payload = f"rank {i} process died ({self._end_of(i)})"
                     self._world = None
-                if jid not in (self._jid, -1):
+                if jid != self._jid:
                     continue  # a late answer to an earlier job
                 del pending[conn]
                 if ok:
@@ -224,13 +218,17 @@ class WorkerPool:
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
         return outs, failures, set(pending.values())
 
-    def close(self) -> None:
+    def close(self, grace: float = 2.0) -> None:
+        """End every worker: an idle one exits on its connection's EOF; one still running after
+        ``grace`` seconds is killed."""
         for c in self._conns:
             c.close()
         for p in self._procs:
-            p.join(timeout=2)
-            if p.is_alive():
+            try:
+                p.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
         self._procs, self._conns, self._world = [], [], None
 
 
@@ -246,8 +244,8 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh local ranks inside one world.
 
-    Returns the per-rank results (index = rank). ``fn`` must be importable and its results
-    picklable. A failing rank makes this raise RankFailure naming it, with its traceback; a
+    Returns the per-rank results (index = rank). ``fn`` and its arguments travel cloudpickled
+    (defined in ``__main__``: by value), its results pickled. A failing rank makes this raise RankFailure naming it, with its traceback; a
     collective waiting longer than ``timeout`` seconds fails its rank; a job still running after
     ``deadline`` seconds (default ``timeout``) is stopped, naming the ranks that never finished.
     """
@@ -268,6 +266,15 @@ def shared_pool() -> WorkerPool:
         _SHARED = WorkerPool()
         atexit.register(_SHARED.close)
     return _SHARED
+
+
+def stop_local_ranks() -> bool:
+    """Stop the shared pool's workers now (a command interrupted by a signal); whether it had any.
+    The pool stays usable: its next job starts new workers."""
+    if _SHARED is None or not _SHARED._procs:
+        return False
+    _SHARED.close(grace=0.0)
+    return True
 
 
 def run_ranks(
@@ -317,4 +324,13 @@ def reports() -> bool:
     return world is None or world.rank == 0
 
 
-__all__ = ["FAILURE_GRACE", "RankFailure", "WorkerPool", "launch", "reports", "run_ranks", "shared_pool"]
+__all__ = [
+    "FAILURE_GRACE",
+    "RankFailure",
+    "WorkerPool",
+    "launch",
+    "reports",
+    "run_ranks",
+    "shared_pool",
+    "stop_local_ranks",
+]

@@ -1,9 +1,10 @@
 """Run a function on every rank of a world or grid from the test process.
 
 Workers come from the process-wide ``shared_pool`` and are reused across
-tests, so after the first call a small job costs milliseconds. ``fn`` must be
-defined at module level (it is pickled by reference) and return picklable
-values (tensors included).
+tests, so after the first call a small job costs milliseconds. ``fn`` travels
+cloudpickled (a module-level function by reference; a nested one, a lambda or
+one defined in ``__main__`` by value) and returns picklable values (tensors
+included).
 """
 
 from __future__ import annotations
