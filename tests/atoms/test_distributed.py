@@ -20,8 +20,8 @@ from twinshard.atoms.potentials import LennardJones, MessagePassingPotential, ev
 from twinshard.atoms.potentials.base import graph_from_system
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
+from twinshard.rng import normal
 from twinshard.runtime import RankFailure
-from twinshard.tensors.rng import normal
 from twinshard.testing import (
     assert_grads_finite_nonzero,
     assert_parity,

@@ -10,7 +10,7 @@ from twinshard.atoms.neighbors import neighbor_list
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
 from twinshard.comm import CommLedger
-from twinshard.tensors.rng import normal
+from twinshard.rng import normal
 from twinshard.testing import assert_parity, run_on_world
 
 GAS = 1500  # atoms: dense enough that a halo 3% thin misses some edge (see the control)

@@ -28,9 +28,9 @@ from twinshard.atoms.plain_inputs import evaluate_plain
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, build_scaleshift_mace, mace_native
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
-from twinshard.tensors.placements import HaloPadded, HaloState, ShardSpec
-from twinshard.tensors.rowwise import StackedRows
-from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
+from twinshard.shard.placements import HaloPadded, HaloState, ShardSpec
+from twinshard.shard.rowwise import StackedRows
+from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 from twinshard.testing import assert_parity, run_on_world
 from twinshard.testing.checks import adjoint_pair
 

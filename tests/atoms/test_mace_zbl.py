@@ -29,8 +29,8 @@ from twinshard.atoms.graph_storage import GraphSharded
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, mace_native
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
-from twinshard.tensors.dispatch import REGISTRY
-from twinshard.tensors.shard_tensor import UnhandledAtomOp
+from twinshard.shard.dispatch import REGISTRY
+from twinshard.shard.shard_tensor import UnhandledAtomOp
 from twinshard.testing import (
     assert_parity,
     assert_replicated,

@@ -25,9 +25,9 @@ from twinshard.atoms.potentials import MessagePassingPotential, evaluate
 from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
-from twinshard.tensors import dispatch as D
-from twinshard.tensors.rng import normal
-from twinshard.tensors.shard_tensor import UnhandledAtomOp, from_local, to_local
+from twinshard.rng import normal
+from twinshard.shard import dispatch as D
+from twinshard.shard.shard_tensor import UnhandledAtomOp, from_local, to_local
 from twinshard.testing import (
     assert_grads_finite_nonzero,
     assert_parity,

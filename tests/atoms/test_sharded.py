@@ -12,8 +12,8 @@ from twinshard.atoms.distributed import DistributedPotential
 from twinshard.atoms.potentials import LennardJones, evaluate
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
+from twinshard.rng import normal
 from twinshard.runtime import RankFailure
-from twinshard.tensors.rng import normal
 from twinshard.testing import assert_parity, assert_replicated, assert_shards_cover, rows_of, run_on_world
 
 CUTOFF, SKIN = 6.0, 0.5

@@ -40,12 +40,12 @@ from twinshard.atoms.plain_inputs import system_inputs
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, mace_native
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
+from twinshard.rng import normal
 from twinshard.runtime.errors import RankFailure
 from twinshard.runtime.world import format_exception
-from twinshard.tensors import small_blocks
-from twinshard.tensors.placements import HaloPadded, HaloState, Owned, ShardSpec
-from twinshard.tensors.rng import normal
-from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
+from twinshard.shard import small_blocks
+from twinshard.shard.placements import HaloPadded, HaloState, Owned, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 from twinshard.testing import (
     assert_grads_finite_nonzero,
     assert_parity,

@@ -10,8 +10,8 @@ import torch
 from twinshard.atoms.potentials.mace import build_mace, build_scaleshift_mace
 from twinshard.atoms.validate import TOLERANCES, ValidateConfig, run_validate
 from twinshard.cli import main
-from twinshard.tensors import dispatch as D
-from twinshard.tensors.shard_tensor import to_local
+from twinshard.shard import dispatch as D
+from twinshard.shard.shard_tensor import to_local
 
 
 def broken_refresh():

@@ -1,9 +1,10 @@
 """Run by ``torchrun`` from ``tests/cli/test_torchrun.py``: every ``twinshard`` command, one after
 the other, in the one world torchrun launched (joined once here, so the suite pays one launch).
 
-Each rank prints one marker line per command: ``RAN <name> rank <r> code <c> pool <p> children <k>``
-(``pool``: whether a local worker pool was started; ``children``: live child processes). The
-commands print their results as they would on their own (rank 0 only).
+Each rank writes one marker line per command to stderr: ``RAN <name> rank <r> code <c> pool <p>
+children <k>`` (``pool``: whether a local worker pool was started; ``children``: live child
+processes). The commands print their results on stdout as they would on their own (rank 0 only),
+so no marker of another rank lands inside a result line.
 """
 
 import multiprocessing
@@ -50,5 +51,6 @@ if __name__ == "__main__":
         children = len(multiprocessing.active_children())
         print(
             f"RAN {name} rank {world.rank} code {code} pool {pool._SHARED is not None} children {children}",
+            file=sys.stderr,
             flush=True,
         )

@@ -31,11 +31,11 @@ def test_every_command_runs_on_the_launched_world():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "terminate called" not in out.stderr
-    ran = re.findall(r"RAN (\S+) rank (\d) code (\d+) pool (\w+) children (\d+)", out.stdout)
+    ran = re.findall(r"RAN (\S+) rank (\d) code (\d+) pool (\w+) children (\d+)", out.stderr)
     by_name: dict[str, list] = {}
     for name, rank, code, pool, children in ran:
         by_name.setdefault(name, []).append((int(rank), int(code), pool, int(children)))
-    assert sorted(by_name) == sorted(COMMANDS), out.stdout[-3000:]
+    assert sorted(by_name) == sorted(COMMANDS), out.stderr[-3000:]
     for name, rows in by_name.items():
         assert sorted(r[0] for r in rows) == [0, 1, 2, 3], (name, rows)
         # the launched world ran it: no worker pool, no child process on any rank

@@ -18,8 +18,8 @@ from twinshard.comm import CommLedger
 from twinshard.pair.layers.contraction import Contraction, grid_contract
 from twinshard.pair.layers.outer_product import OPM_SPEC
 from twinshard.pair.layers.triangle import TRIMUL_SPECS
+from twinshard.pair.tiling import MSA, PAIR, local_block
 from twinshard.runtime import make_grid
-from twinshard.tensors.dtensor import MSA, PAIR, local_block
 from twinshard.testing import assert_parity, run_on_grid
 
 

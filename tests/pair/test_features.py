@@ -22,8 +22,8 @@ from twinshard.pair.features import (
     shard_tensor,
     with_layout,
 )
+from twinshard.pair.tiling import MSA, PAIR, SAMPLE, SINGLE, from_local, local_block
 from twinshard.runtime import RankFailure
-from twinshard.tensors.dtensor import MSA, PAIR, SAMPLE, SINGLE, from_local, local_block
 from twinshard.testing import assert_parity, grid_id, random_grad_output, run_on_grid
 from twinshard.testing.checks import assert_shards_cover
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from twinshard.memory import SavedBytes
 from twinshard.pair.features import PairLayout, collect_tensor, real_part, shard_tensor, with_layout
 from twinshard.pair.layers import CPDropout, CPLayerNorm, CPLinear, CPTransition, pointwise, tokenwise
 from twinshard.pair.layers import dropout as cp_dropout
 from twinshard.pair.reference import Dropout, LayerNorm, Linear, Transition
-from twinshard.tensors.memory import SavedBytes
 from twinshard.testing import (
     TwinResult,
     check_twin,

@@ -34,6 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from twinshard.memory import SavedBytes, peak_memory_during
 from twinshard.pair.features import (
     PairLayout,
     collect_grad,
@@ -45,7 +46,6 @@ from twinshard.pair.features import (
 )
 from twinshard.pair.layers.pairformer import CPPairformerLayer, CPPairformerStack, agree_scalars
 from twinshard.pair.reference import PairformerLayer, PairformerStack, assign_dropout_streams
-from twinshard.tensors.memory import SavedBytes, peak_memory_during
 from twinshard.testing import (
     TwinResult,
     assert_parity,

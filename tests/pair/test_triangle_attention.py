@@ -28,6 +28,7 @@ import torch
 
 from twinshard.comm import transpose_tiles
 from twinshard.comm.adjoint import adjoint_pair
+from twinshard.memory import SavedBytes
 from twinshard.pair.features import (
     PairLayout,
     collect_grad,
@@ -46,8 +47,7 @@ from twinshard.pair.reference.triangle_attention import (
     TriangleAttentionEndingNode,
     TriangleAttentionStartingNode,
 )
-from twinshard.tensors.dtensor import PAIR, tile_slices
-from twinshard.tensors.memory import SavedBytes
+from twinshard.pair.tiling import PAIR, tile_slices
 from twinshard.testing import (
     TwinResult,
     check_twin,

@@ -121,7 +121,7 @@ def _profiled_collective_keeps_no_group():
 
     import torch.distributed.nn.functional as dnn
 
-    from twinshard.tensors.memory import peak_memory_during
+    from twinshard.memory import peak_memory_during
 
     pg = dist.group.WORLD
     before = sys.getrefcount(pg)

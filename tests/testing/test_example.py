@@ -2,7 +2,7 @@
 
 import pytest
 
-from twinshard.tensors.dtensor import padded_tokens
+from twinshard.pair.tiling import padded_tokens
 from twinshard.testing import check_twin, grid_id, run_on_grid, synthetic
 from twinshard.testing.example import run_example_twin, serial_example, tile_of
 

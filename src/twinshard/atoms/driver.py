@@ -88,8 +88,8 @@ from twinshard.atoms.potentials.base import error_figures
 from twinshard.atoms.provenance import check_potential, check_structure, potential_provenance
 from twinshard.atoms.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
 from twinshard.atoms.system import System
+from twinshard.memory import RssWindow, peak_memory_during, storage_bytes
 from twinshard.runtime.world import COLLECTIVE_TIMEOUT  # noqa: F401  (moved to the runtime; re-exported)
-from twinshard.tensors.memory import RssWindow, peak_memory_during, storage_bytes
 
 __all__ = [
     "MDConfig",

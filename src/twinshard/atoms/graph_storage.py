@@ -74,8 +74,8 @@ from twinshard.atoms.sharded import _a2a
 from twinshard.atoms.system import System
 from twinshard.comm import primitives as prim
 from twinshard.runtime import agree_step, require_world
-from twinshard.tensors.placements import Owned, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
+from twinshard.shard.placements import Owned, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, from_local, to_local
 
 __all__ = [
     "GraphSharded",

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from twinshard.comm import primitives as prim
 from twinshard.runtime.world import require_world
-from twinshard.tensors.custom_ops import halo_forward, halo_reverse
+from twinshard.shard.custom_ops import halo_forward, halo_reverse
 
 __all__ = ["HaloPlan", "frame_coordinates", "rank_box", "neighbour_ranks", "select_ghosts"]
 
@@ -348,14 +348,14 @@ class HaloPlan:
     # ----------------------------------------------------------- exchanges
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Halo copies ``[n_halo, ...]`` of owned rows ``x [n_owned, ...]``, differentiable: the one
-        halo exchange, ``twinshard::halo_forward`` (:func:`twinshard.tensors.custom_ops.halo_forward`:
+        halo exchange, ``twinshard::halo_forward`` (:func:`twinshard.shard.custom_ops.halo_forward`:
         a replicated autograd vote for floating ``x``; backward the reverse exchange, and double
         backward this one again)."""
         return halo_forward(x, self)
 
     def reverse(self, y: torch.Tensor) -> torch.Tensor:
         """Owner sums ``[n_owned, ...]`` of halo partials ``y [n_halo, ...]``, differentiable
-        (``twinshard::halo_reverse``, :func:`twinshard.tensors.custom_ops.halo_reverse`)."""
+        (``twinshard::halo_reverse``, :func:`twinshard.shard.custom_ops.halo_reverse`)."""
         return halo_reverse(y, self)
 
     def refresh(self, h: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 They act on plain per-atom tensors of *a set of atoms given by their global ids* (positions,
 velocities, forces, masses, ids): the serial run passes all atoms, a distributed run passes each
 rank's owned atoms, and the arithmetic per atom is identical. Random draws come from
-:mod:`twinshard.tensors.rng` keyed by ``(seed, stream, global atom id, step, component)``, so a
+:mod:`twinshard.rng` keyed by ``(seed, stream, global atom id, step, component)``, so a
 distributed trajectory equals the serial one exactly, for any rank count and any migration
 history. Units are ASE's; ``dt`` in fs, friction in 1/fs, temperature in K. The time loop that
 drives them is :func:`twinshard.atoms.md.simulate`.
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from ase import units
 
-from twinshard.tensors import rng
+from twinshard import rng
 
 __all__ = [
     "LANGEVIN_STREAM",

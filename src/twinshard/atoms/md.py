@@ -395,7 +395,7 @@ def checkpoint_state(
         "heat": float(heat),
         "integrator": integ,
         "rng": {
-            "generator": "twinshard.tensors.rng (counter-based)",
+            "generator": "twinshard.rng (counter-based)",
             "seed": int(integ.get("seed", 0)),
             "stream": LANGEVIN_STREAM,
             "next_step": int(step) + 1,

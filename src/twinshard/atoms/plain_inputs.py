@@ -34,9 +34,9 @@ from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
 from twinshard.comm.ops import sync_params
 from twinshard.comm.primitives import group_size
-from twinshard.tensors.dispatch import lazy_halo
-from twinshard.tensors.placements import HaloPadded, HaloState, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
+from twinshard.shard.dispatch import lazy_halo
+from twinshard.shard.placements import HaloPadded, HaloState, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, from_local, to_local
 
 __all__ = [
     "as_potential",

@@ -51,7 +51,7 @@ class ValidateConfig:
 
 
 def _name(func: Any) -> str:
-    from twinshard.tensors.shard_tensor import _fn_name
+    from twinshard.shard.shard_tensor import _fn_name
 
     return _fn_name(func)
 
@@ -67,8 +67,8 @@ class _Trace(TorchFunctionMode):
 
     def _gather(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         """A gather along the atom rows with a 1-D index: (atom id of each output row, output)."""
-        from twinshard.tensors.dispatch import parse_index_call
-        from twinshard.tensors.shard_tensor import ShardTensor
+        from twinshard.shard.dispatch import parse_index_call
+        from twinshard.shard.shard_tensor import ShardTensor
 
         if self.row_ids is None or not isinstance(out, torch.Tensor) or isinstance(out, ShardTensor):
             return None
@@ -87,8 +87,8 @@ class _Trace(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        from twinshard.tensors.dispatch import REGISTRY
-        from twinshard.tensors.shard_tensor import ShardTensor
+        from twinshard.shard.dispatch import REGISTRY
+        from twinshard.shard.shard_tensor import ShardTensor
 
         handler = None
         if any(isinstance(t, ShardTensor) for t in torch.utils._pytree.tree_flatten((args, kwargs))[0]):
@@ -179,7 +179,7 @@ def _default_species(cfg: ValidateConfig) -> list[int]:
 
 
 def _keep_dist(n_owned_holder: list[int]) -> Any:
-    from twinshard.tensors.shard_tensor import ShardTensor
+    from twinshard.shard.shard_tensor import ShardTensor
 
     def keep(t: Any) -> Any:
         if _stacked(t):
@@ -233,7 +233,7 @@ def validate_rank(cfg: ValidateConfig, species: list[int]) -> dict[str, Any]:
 def _stacked(t: Any) -> bool:
     """A stack of per-atom tensors (``rowwise.StackedRows``: only its sum over the stack is
     defined; its sum is traced instead)."""
-    from twinshard.tensors.rowwise import StackedRows
+    from twinshard.shard.rowwise import StackedRows
 
     return isinstance(t, StackedRows)
 

@@ -112,7 +112,7 @@ def serial_eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
     from twinshard.atoms.neighbors import VerletList
     from twinshard.atoms.plain_inputs import evaluate_serial, is_plain
     from twinshard.atoms.potentials import evaluate, has_analytic
-    from twinshard.tensors.memory import RssWindow, peak_memory_during
+    from twinshard.memory import RssWindow, peak_memory_during
 
     pot = _eval_potential(opts)
     system = _eval_system(opts, int(opts["serial_of"]), pot)
@@ -171,8 +171,8 @@ def eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
     from twinshard.atoms.plain_inputs import potential_mode
     from twinshard.atoms.sharded import ShardedSystem
     from twinshard.comm import primitives as prim
+    from twinshard.memory import RssWindow, peak_memory_during
     from twinshard.runtime import require_world
-    from twinshard.tensors.memory import RssWindow, peak_memory_during
 
     world = require_world("twinshard bench atoms (evaluation)")
     nranks = world.size

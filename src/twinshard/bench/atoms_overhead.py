@@ -109,8 +109,8 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
     from twinshard.atoms.potentials import evaluate
     from twinshard.atoms.sharded import ShardedSystem
     from twinshard.comm import primitives as prim
+    from twinshard.memory import peak_memory_during
     from twinshard.runtime import require_world
-    from twinshard.tensors.memory import peak_memory_during
 
     world = require_world("twinshard bench atoms --mode overhead")
     nranks = world.size

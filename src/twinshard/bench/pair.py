@@ -60,9 +60,9 @@ import torch
 from twinshard.bench.pair_ops import TRUNK_OPS, bench_rank_op, lower_bound_bytes
 from twinshard.comm import CommLedger
 from twinshard.comm.ledger import BYTES_MODEL
+from twinshard.memory import RssWindow, SavedBytes, peak_memory_during
 from twinshard.pair.layers.contraction import schedule_name
 from twinshard.runtime import get_world, make_grid, reports, run_ranks
-from twinshard.tensors.memory import RssWindow, SavedBytes, peak_memory_during
 
 __all__ = ["OPS", "add_parser", "bench_rank", "measure", "parse_grid", "run"]
 
@@ -251,7 +251,7 @@ def bench_rank(
     if op in TRUNK_OPS:  # triangle attention, attention with pair bias, the Pairformer layer
         return bench_rank_op(op, tokens, grid_shape, dtype_name, channels, hidden, sequences, batch, seed)
     from twinshard.pair.features import PairLayout, with_layout
-    from twinshard.tensors.dtensor import MSA, PAIR, from_local, local_block
+    from twinshard.pair.tiling import MSA, PAIR, from_local, local_block
 
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")

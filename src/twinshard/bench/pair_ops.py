@@ -125,8 +125,8 @@ def bench_rank_op(
     from twinshard.bench.pair import measure, rank_figures
     from twinshard.comm import CommLedger
     from twinshard.pair.features import PairLayout, with_layout
+    from twinshard.pair.tiling import PAIR, SINGLE, from_local, local_block
     from twinshard.runtime import get_world, make_grid
-    from twinshard.tensors.dtensor import PAIR, SINGLE, from_local, local_block
 
     dtype = getattr(torch, dtype_name)
     grid = make_grid(tuple(grid_shape))

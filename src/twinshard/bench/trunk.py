@@ -127,7 +127,7 @@ def trunk_rank(
 ) -> dict[str, Any]:
     """Run on every rank of a world of rows x cols ranks; returns this rank's figures."""
     from twinshard.pair.features import PairLayout, with_layout
-    from twinshard.tensors.dtensor import PAIR, SINGLE, from_local, local_block
+    from twinshard.pair.tiling import PAIR, SINGLE, from_local, local_block
 
     dtype = getattr(torch, dtype_name)
     grid = make_grid(tuple(grid_shape))
@@ -237,8 +237,8 @@ def train_rank(
     """One training step of ``CPTrunk`` on every rank (``--train-step``); this rank's figures."""
     from twinshard.pair.features import PairLayout, shard_tensor
     from twinshard.pair.reference.distogram import distogram_target
+    from twinshard.pair.tiling import padded_tokens
     from twinshard.pair.train import CPTrunk, Trunk, train_step
-    from twinshard.tensors.dtensor import padded_tokens
 
     dtype = getattr(torch, dtype_name)
     grid = make_grid(tuple(grid_shape))

@@ -2,7 +2,7 @@
 
 ``distribute(features, grid, src=...)`` turns a dict of full feature tensors
 into DTensors on a rows x cols grid at the contract placements (see
-``twinshard.tensors.dtensor``), for any token count N and MSA depth S:
+``twinshard.pair.tiling``), for any token count N and MSA depth S:
 
 - kind ``single`` ``[B, N, ...]``: rows block r on grid row r, replicated along it;
 - kind ``pair``   ``[B, N, N, ...]``: tile (r, c) = rows block r x columns block c;
@@ -12,7 +12,7 @@ into DTensors on a rows x cols grid at the contract placements (see
 N is padded at the end, to a multiple of rows where tokens are split over grid rows
 (``single``, dim 1 of ``pair``) and to a multiple of cols where they are split over grid
 columns (dim 2 of ``pair``, ``msa``); S to a multiple of rows. So on a rectangular grid a
-pair tensor may be ``[B, Nr, Nc, ...]`` with Nr != Nc (``twinshard.tensors.dtensor``);
+pair tensor may be ``[B, Nr, Nc, ...]`` with Nr != Nc (``twinshard.pair.tiling``);
 padded entries are zero. The masks that make padding inert are added or
 extended: ``token_pad_mask [B, N]`` (given, else ones), ``pair_mask [B, N, N]``
 (given, else the outer product of the token mask) and, when MSA features are
@@ -82,8 +82,7 @@ from twinshard.pair.layout import (
     with_layout,
     zero_padding,
 )
-from twinshard.runtime import ProcessGrid, raise_together
-from twinshard.tensors.dtensor import (
+from twinshard.pair.tiling import (
     check_placements,
     from_local,
     local_block,
@@ -91,6 +90,7 @@ from twinshard.tensors.dtensor import (
     reduction_axes,
     tile_slices,
 )
+from twinshard.runtime import ProcessGrid, raise_together
 
 __all__ = [
     "KINDS",

@@ -4,7 +4,7 @@ that travels with it.
 ``PairLayout`` holds the caller's N (and MSA depth S) and the padded sizes on a rows x cols
 grid: N padded to a multiple of rows along grid rows (``single``, dim 1 of ``pair``) and of
 cols along grid columns (dim 2 of ``pair``, ``msa``), S to a multiple of rows (the policy of
-``twinshard.tensors.dtensor``). ``distribute`` / ``shard_tensor``
+``twinshard.pair.tiling``). ``distribute`` / ``shard_tensor``
 (:mod:`twinshard.pair.features`) and every CP twin attach it to the DTensors they return;
 :func:`layout_of` reads it back, :func:`with_layout` re-attaches it after a plain DTensor op
 (zeroing the padding), :func:`padding_keep` says which entries of a tile are real, and
@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Placement
 
-from twinshard.runtime import ProcessGrid
-from twinshard.tensors.dtensor import (
+from twinshard.pair.tiling import (
     MSA,
     PAIR,
     SAMPLE,
@@ -35,6 +34,7 @@ from twinshard.tensors.dtensor import (
     tile_slices,
     unpad,
 )
+from twinshard.runtime import ProcessGrid
 
 __all__ = [
     "KINDS",

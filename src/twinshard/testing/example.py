@@ -7,7 +7,7 @@ porting guide walks through; the harness's negative controls (tests/testing/test
 their bugs in subclasses of its twin, from the test.
 
 Placements: z tile (r, c) = rows block r x cols block c in and out; parameters replicated.
-Any N, by the library's padding policy (``twinshard.tensors.dtensor``): z is padded at the end
+Any N, by the library's padding policy (``twinshard.pair.tiling``): z is padded at the end
 to Nr x Nc (N up to a multiple of rows along dim 0, of cols along dim 1), so every tile has the
 same shape
 (``tile_slices``); the padded entries are zeros and stay inert (the MLP is token-local, so they
@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from twinshard import comm
+from twinshard.pair.tiling import pad_dim, padded_tokens, real_tile, tile_slices, unpad
 from twinshard.runtime import ProcessGrid
-from twinshard.tensors.dtensor import pad_dim, padded_tokens, real_tile, tile_slices, unpad
 from twinshard.testing.checks import TwinResult, parameter_signature, serial_reference
 from twinshard.testing.inputs import random_grad_output, synthetic
 

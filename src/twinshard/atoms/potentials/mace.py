@@ -15,7 +15,7 @@ out) by building mace's own data dict (``positions``, ``node_attrs`` one-hot ove
 and ``unit_shifts`` in mace's sign convention, ``cell``, ``batch``, ``ptr``) and calling the
 MACE module's own ``forward`` with ``compute_force`` / ``compute_stress``. The MACE module is
 not modified: distributed (``DistributedPotential(MaceAdapter(model), mode="dispatch")``) its
-inputs are ShardTensors and the dispatch (:mod:`twinshard.tensors.dispatch`) makes its ops
+inputs are ShardTensors and the dispatch (:mod:`twinshard.shard.dispatch`) makes its ops
 distribution-aware. Parameter names are the MACE module's behind the prefix ``model.``.
 
 :func:`mace_native` evaluates a MACE module through mace's own data pipeline
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from twinshard.atoms.potentials.base import lookup_species
-from twinshard.tensors.shard_tensor import to_local
+from twinshard.shard.shard_tensor import to_local
 
 __all__ = [
     "MaceAdapter",

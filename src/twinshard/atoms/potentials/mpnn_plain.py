@@ -6,7 +6,7 @@ model: ``index_select`` to gather neighbours, ``torch.zeros_like(h).index_add_``
 a scatter of node energies into per-system energies, and ``torch.autograd.grad`` inside
 ``forward`` for forces and (through a displacement of the positions and edge shifts, as MACE
 does) the virial and stress. It knows nothing about ranks: run distributed, the inputs are
-ShardTensors and the dispatch (:mod:`twinshard.tensors.dispatch`) makes those ops
+ShardTensors and the dispatch (:mod:`twinshard.shard.dispatch`) makes those ops
 distribution-aware (``DistributedPotential(model, mode="dispatch")``).
 
 Input (a dict, MACE-like): ``positions [n, 3]``, ``numbers [n]``, ``senders [E]``,

@@ -2,7 +2,7 @@
 
 Each twin registers the same parameters, in the same order, as its serial module
 in ``twinshard.pair.reference``, so a serial ``state_dict`` loads unchanged.
-Inputs and outputs are DTensors at the placements of ``twinshard.tensors.dtensor``.
+Inputs and outputs are DTensors at the placements of ``twinshard.pair.tiling``.
 """
 
 from twinshard.pair.layers.attention import CPAttentionPairBias

@@ -2,7 +2,7 @@
 
 Placements. In: single ``s[B, Nr, c_s]`` at ``(Shard(1), Replicate())`` (rows block r on grid
 row r, replicated along it), pair ``z[B, Nr, Nc, c_z]`` at ``(Shard(1), Shard(2))`` (N padded
-along each axis for its grid axis, see ``twinshard.tensors.dtensor``; Np below stands for
+along each axis for its grid axis, see ``twinshard.pair.tiling``; Np below stands for
 either), optional token ``mask[B, Nr]`` and keys' input ``k_in[B, Nr, c_s]`` at the single
 placement. Out: the update of ``s``, ``[B, Nr, c_s]`` at ``(Shard(1), Replicate())``, carrying
 the layout of ``s``
@@ -63,8 +63,8 @@ from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.layers.triangle_attention import Packed, assemble_rows
 from twinshard.pair.reference.attention import AttentionPairBias
 from twinshard.pair.reference.norm import compute_dtype
+from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local
 from twinshard.runtime.grid import ProcessGrid
-from twinshard.tensors.dtensor import PAIR, SINGLE, check_placements, from_local
 
 __all__ = ["CPAttentionPairBias"]
 

@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor
 
 from twinshard.comm import primitives as P
 from twinshard.pair.features import PairLayout, _placements, collect_tensor, with_layout
+from twinshard.pair.tiling import from_local, local_block
 from twinshard.runtime import ProcessGrid
-from twinshard.tensors.dtensor import from_local, local_block
 
 __all__ = ["plain", "to_dtensor"]
 

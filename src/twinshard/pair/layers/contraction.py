@@ -4,9 +4,9 @@ The triangle multiplications and the outer product mean are all ``Z = op(X) op(Y
 contracted over one token (or sequence) index k, per channel, with ``op`` the identity
 or a transpose of the two leading matrix dims. Every operand is stored tiled like a pair
 tensor: ``X[B, rows, cols, *ch]`` with ``rows`` split over the grid rows and ``cols`` over
-the grid columns (equal tiles: sizes are padded, see ``twinshard.tensors.dtensor``).
+the grid columns (equal tiles: sizes are padded, see ``twinshard.pair.tiling``).
 The result ``Z[B, M, Nn, *ch]`` comes back in the same tiling. On a rectangular grid a pair
-tensor is padded separately along each axis (``[Nr, Nc]``, see ``twinshard.tensors.dtensor``),
+tensor is padded separately along each axis (``[Nr, Nc]``, see ``twinshard.pair.tiling``),
 so the two extents of one token index can differ between operands and result: the caller
 states the result's global shape, k runs over the shorter of the two operands' extents, and
 whatever a range needs beyond an operand's extent is zero (it is padding, masked to zero in
@@ -49,7 +49,7 @@ keeps ``dZ`` in place and moves the operands and the partial gradients
 scatter on rectangular ones; in both the partials of one step travel while the next
 step's product runs).
 
-Tiles come from ``twinshard.tensors.dtensor.block_range`` (the project's one tiling rule);
+Tiles come from ``twinshard.pair.tiling.block_range`` (the project's one tiling rule);
 the k-cuts of SUMMA from :func:`k_segments`.
 """
 
@@ -64,8 +64,8 @@ import torch
 from twinshard.comm import primitives as P
 from twinshard.pair.layers.fetch import Range, Tiled, _Fetch
 from twinshard.pair.layers.stationary import _cannon_stationary, _stationary_product, _summa_stationary
+from twinshard.pair.tiling import block_range
 from twinshard.runtime.grid import ProcessGrid
-from twinshard.tensors.dtensor import block_range
 
 __all__ = ["Contraction", "Tiled", "grid_contract", "grid_matmul", "k_segments", "schedule_name"]
 
@@ -146,7 +146,7 @@ def grid_matmul(
     if max(abs(kx - ky), abs(zm - m), abs(zn - n)) > slack:
         raise ValueError(
             f"contraction sizes differ ({m} x {kx} times {ky} x {n} into {zm} x {zn}) by more than "
-            f"the per-axis padding of a {grid.rows}x{grid.cols} grid (twinshard.tensors.dtensor)"
+            f"the per-axis padding of a {grid.rows}x{grid.cols} grid (twinshard.pair.tiling)"
         )
     if grid.size == 1:
         return _product(kernel, equation, _orient(x.tile, tx), _orient(y.tile, ty), None, ct)

@@ -54,8 +54,8 @@ from twinshard.pair.layers.tokenwise import replicated_params
 from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.reference.distogram import DistogramHead
 from twinshard.pair.reference.norm import compute_dtype
+from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local, pad_dim
 from twinshard.runtime import ProcessGrid
-from twinshard.tensors.dtensor import PAIR, SINGLE, check_placements, from_local, pad_dim
 
 __all__ = ["CPDistogramHead", "DistogramLossFunction"]
 

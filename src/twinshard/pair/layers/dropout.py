@@ -3,7 +3,7 @@
 Placements: in = out, for ``x[..., R, C, c]`` with any placement of the two
 spatial dims (pair ``(Shard(1), Shard(2))``, MSA sequences x tokens). Each rank
 draws the mask only for its tile, keyed by the GLOBAL (batch, row or column,
-channel) index (``twinshard.tensors.rng``), so the assembled mask equals the
+channel) index (``twinshard.rng``), so the assembled mask equals the
 serial one bit for bit; padding sits after the real entries and does not shift
 their indices. Collectives: none, forward or backward. Saved for backward per
 rank: the tile's mask, ``[B, 1, C/cols, c]`` (row-wise) or ``[B, R/rows, 1, c]``
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from twinshard.pair.layers.tokenwise import _check_tokenwise_input, carry_layout
 from twinshard.pair.reference.dropout import Dropout
-from twinshard.tensors.dtensor import from_local, local_offsets
+from twinshard.pair.tiling import from_local, local_offsets
 
 __all__ = ["CPDropout"]
 

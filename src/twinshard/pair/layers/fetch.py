@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from twinshard.comm import primitives as P
+from twinshard.pair.tiling import block_range
 from twinshard.runtime.grid import ProcessGrid
-from twinshard.tensors.dtensor import block_range
 
 __all__ = ["Range", "Tiled"]
 
@@ -48,7 +48,7 @@ class _Fetch:
 
     ``wants[i][rank]`` is the (rows, cols) range of operand i, in stored orientation, that
     ``rank`` needs; a range may reach past the operand's extent (a pair tensor padded
-    separately along each axis, see ``twinshard.tensors.dtensor``): what lies beyond is zero. Every rank derives every peer's wants from replicated metadata, so all
+    separately along each axis, see ``twinshard.pair.tiling``): what lies beyond is zero. Every rank derives every peer's wants from replicated metadata, so all
     agree on who sends what without a handshake. A piece this rank holds itself never travels
     (a view of its tile); a piece wanted by several peers (a SUMMA row or column broadcast) is
     made contiguous once and that buffer goes to each of them; a piece arrives in its own buffer

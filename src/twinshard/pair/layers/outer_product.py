@@ -42,8 +42,8 @@ from twinshard.pair.layers.contraction import Contraction, Tiled, grid_contract,
 from twinshard.pair.layers.tokenwise import TokenwiseTwin, mixing_layout
 from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.reference.outer_product import OuterProductMean
+from twinshard.pair.tiling import MSA, check_placements
 from twinshard.runtime.grid import ProcessGrid
-from twinshard.tensors.dtensor import MSA, check_placements
 
 __all__ = ["CPOuterProductMean", "OPM_SPEC"]
 

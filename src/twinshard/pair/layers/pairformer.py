@@ -10,7 +10,7 @@ the same order of updates on a rows x cols grid::
 
 Placements. In and out: single ``s[B, Nr, c_s]`` at ``(Shard(1), Replicate())``, pair ``z[B, Nr,
 Nc, c_z]`` at ``(Shard(1), Shard(2))`` (N padded along each axis for its grid axis, see
-``twinshard.tensors.dtensor``); optional token ``mask[B, Nr]`` (single) and ``pair_mask[B, Nr,
+``twinshard.pair.tiling``); optional token ``mask[B, Nr]`` (single) and ``pair_mask[B, Nr,
 Nc]`` (pair). With both masks None the padding is masked from the layout the
 tensors carry (``twinshard.pair.features``); a token mask without a pair mask raises (every
 rank alike: ``distribute`` builds the pair mask, and the plain-tensor boundary
@@ -67,8 +67,8 @@ from twinshard.pair.layers.triangle_attention import (
     CPTriangleAttentionStartingNode,
 )
 from twinshard.pair.reference.pairformer import PairformerParts, build_layer, build_stack
+from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local
 from twinshard.runtime.agree import agree_scalars  # re-exported: it moved to the runtime
-from twinshard.tensors.dtensor import PAIR, SINGLE, check_placements, from_local
 
 __all__ = ["CPPairformerLayer", "CPPairformerStack", "agree_scalars"]
 

@@ -15,8 +15,8 @@ import torch
 
 from twinshard.comm import primitives as P
 from twinshard.pair.layers.fetch import Range, Tiled, _Fetch, _inter
+from twinshard.pair.tiling import block_range
 from twinshard.runtime.grid import ProcessGrid
-from twinshard.tensors.dtensor import block_range
 
 __all__: list[str] = []
 

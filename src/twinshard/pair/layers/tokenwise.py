@@ -37,7 +37,7 @@ from torch.func import functional_call
 
 from twinshard import comm
 from twinshard.pair.layout import PairLayout, _check_fits, layout_kind, layout_of, padding_keep, with_layout
-from twinshard.tensors.dtensor import check_placements, from_local, reduction_axes
+from twinshard.pair.tiling import check_placements, from_local, reduction_axes
 
 __all__ = ["TokenwiseTwin", "grad_group", "mixing_layout", "pointwise", "replicated_params"]
 

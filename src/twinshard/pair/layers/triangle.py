@@ -47,8 +47,8 @@ from twinshard.pair.features import layout_of, with_layout
 from twinshard.pair.layers.contraction import Contraction, grid_contract
 from twinshard.pair.layers.tokenwise import TokenwiseTwin, mixing_layout
 from twinshard.pair.reference.triangle import TriangleMultiplication
+from twinshard.pair.tiling import PAIR, check_placements
 from twinshard.runtime.grid import ProcessGrid, make_grid
-from twinshard.tensors.dtensor import PAIR, check_placements
 
 __all__ = [
     "CPTriangleMultiplication",

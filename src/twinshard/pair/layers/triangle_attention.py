@@ -70,8 +70,8 @@ from twinshard.pair.layers.tokenwise import TokenwiseTwin, mixing_layout
 from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.reference.norm import compute_dtype
 from twinshard.pair.reference.triangle_attention import TriangleAttention
+from twinshard.pair.tiling import PAIR, check_placements
 from twinshard.runtime.grid import ProcessGrid
-from twinshard.tensors.dtensor import PAIR, check_placements
 
 __all__ = [
     "CPTriangleAttention",

@@ -17,7 +17,7 @@ instead, one draw shared over the other spatial axis and all channels:
 - column-wise: ``mask[..., 1, C, 1]`` keyed by (batch, column j) (``z[:, 0:1, :, 0:1]``).
 
 Boltz-2 draws its masks from torch's stateful generator; here both conventions draw from
-``twinshard.tensors.rng`` keyed by GLOBAL (batch, position, channel), so a rank
+``twinshard.rng`` keyed by GLOBAL (batch, position, channel), so a rank
 that holds rows/columns starting at an offset draws exactly the serial mask for
 its block, for any grid. ``seed`` changes per training step and ``stream``
 separates dropout sites; the same (seed, stream) gives the same mask.
@@ -39,7 +39,7 @@ import math
 import torch
 from torch import nn
 
-from twinshard.tensors.rng import uniform
+from twinshard.rng import uniform
 
 __all__ = ["CONVENTIONS", "Dropout", "assign_dropout_streams", "dropout_mask", "stream_id"]
 

@@ -160,7 +160,7 @@ def block_range(size: int, parts: int, index: int) -> tuple[int, int]:
     if size % parts:
         raise ValueError(
             f"size {size} does not split into {parts} equal blocks: pad it first "
-            "(twinshard.tensors.dtensor.padded_tokens / pad_dim)"
+            "(twinshard.pair.tiling.padded_tokens / pad_dim)"
         )
     b = size // parts
     return index * b, (index + 1) * b
@@ -338,7 +338,7 @@ def check_placements(
         raise TypeError(
             f"{what} must be a DTensor with placements {want} on the pair grid, got "
             f"{type(x).__name__}: build it with twinshard.pair.features.distribute or "
-            "twinshard.tensors.dtensor.from_local"
+            "twinshard.pair.tiling.from_local"
         )
     if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{what} must have {ndim} dims, got shape {tuple(x.shape)}")
@@ -363,7 +363,7 @@ def check_placements(
         if isinstance(p, Shard) and x.shape[p.dim] % mesh.size(a):
             raise ValueError(
                 f"{what} has size {x.shape[p.dim]} along dim {p.dim}, not a multiple of the "
-                f"{mesh.size(a)} ranks of mesh axis {a}: pad it (twinshard.tensors.dtensor)"
+                f"{mesh.size(a)} ranks of mesh axis {a}: pad it (twinshard.pair.tiling)"
             )
     return x
 

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from twinshard.atoms import structures
 from twinshard.atoms.sharded import ShardedSystem
-from twinshard.tensors.placements import HaloPadded, HaloState, Owned, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
+from twinshard.shard.placements import HaloPadded, HaloState, Owned, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 from twinshard.testing import run_on_world
 from twinshard.testing.checks import adjoint_pair
 

@@ -1,4 +1,4 @@
-"""Custom-op adapters (``twinshard.tensors.custom_ops``) and the halo moves as custom ops.
+"""Custom-op adapters (``twinshard.shard.custom_ops``) and the halo moves as custom ops.
 
 Three opaque kernels written for this test (``torch.library.custom_op``, each with a hand-registered
 backward): ``density`` (a per-atom sum over edges that lands on both ends of each edge, so halo rows
@@ -32,8 +32,9 @@ from twinshard.atoms.system import System
 from twinshard.comm.adjoint import adjoint_pair
 from twinshard.comm.ledger import CommLedger
 from twinshard.comm.ops import sync_params
-from twinshard.tensors import custom_ops as C
-from twinshard.tensors.custom_ops import (
+from twinshard.rng import normal
+from twinshard.shard import custom_ops as C
+from twinshard.shard.custom_ops import (
     ALL_REDUCE,
     AS_IS,
     GATHER,
@@ -44,10 +45,9 @@ from twinshard.tensors.custom_ops import (
     adapter_of,
     distributed_scope,
 )
-from twinshard.tensors.dispatch import REGISTRY
-from twinshard.tensors.placements import HaloPadded, HaloState, Owned, ShardSpec
-from twinshard.tensors.rng import normal
-from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
+from twinshard.shard.dispatch import REGISTRY
+from twinshard.shard.placements import HaloPadded, HaloState, Owned, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 from twinshard.testing import (
     assert_grads_finite_nonzero,
     assert_parity,

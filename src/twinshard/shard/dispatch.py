@@ -3,7 +3,7 @@
 ``ShardTensor.__torch_function__`` asks :data:`REGISTRY` for the first handler
 whose predicate matches a call; it runs instead of the op, else the default
 path runs (and raises for an unhandled op over the atom dimension, see
-:mod:`twinshard.tensors.shard_tensor`). Users register their own with
+:mod:`twinshard.shard.shard_tensor`). Users register their own with
 :func:`register` (first by default); :meth:`Registry.disabled` switches handlers
 off inside a ``with`` block (negative controls).
 
@@ -84,7 +84,7 @@ operand and whose own semantics pair the plain tensor's dim 0 with that operand'
 element by element, with dim 0 equal to the local row count exactly: the source of a scatter
 whose index is per-atom (``plain_rows_reduce``: source row ``i`` goes where index row ``i`` says);
 an operand of ``torch.stack`` beside per-atom ShardTensors of the same shape and dtype
-(``stack_then_sum`` in :mod:`~twinshard.tensors.rowwise`; a stack or ``cat`` along another dim
+(``stack_then_sum`` in :mod:`~twinshard.shard.rowwise`; a stack or ``cat`` along another dim
 takes the default path); a pointwise operand with the same row count, an einsum operand holding
 the atom letter first (results STALE, which is always safe: at worst one refresh too many). A
 plain tensor anywhere else (a gather's or scatter's index, a table, the right side of a matmul, a
@@ -105,8 +105,8 @@ import torch.distributed as dist
 
 from twinshard.comm import primitives as prim
 from twinshard.runtime.world import on_shutdown
-from twinshard.tensors.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, _leaves, from_local, to_local
+from twinshard.shard.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, _leaves, from_local, to_local
 
 __all__ = [
     "REGISTRY",
@@ -832,4 +832,4 @@ def spec_of(x: Any) -> ShardSpec | None:
 
 
 # the row-wise handlers (einsum / tensordot / x[arange(n), idx] keeping the atom rows)
-import twinshard.tensors.rowwise  # noqa: E402, F401
+import twinshard.shard.rowwise  # noqa: E402, F401

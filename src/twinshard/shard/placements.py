@@ -151,7 +151,7 @@ Placement = Owned | HaloPadded | PerSystem
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """The metadata a :class:`~twinshard.tensors.shard_tensor.ShardTensor` carries.
+    """The metadata a :class:`~twinshard.shard.shard_tensor.ShardTensor` carries.
 
     ``placement``; ``state`` (halo state; FRESH for non-halo placements); ``group`` (process
     group, ``None`` = world); ``n_systems`` (systems on this rank's batch); ``row_block`` (local

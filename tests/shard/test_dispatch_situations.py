@@ -36,9 +36,9 @@ from twinshard.atoms import structures
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
 from twinshard.comm.ledger import CommLedger
-from twinshard.tensors import dispatch as D
-from twinshard.tensors.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
+from twinshard.shard import dispatch as D
+from twinshard.shard.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 from twinshard.testing import assert_parity, run_on_world
 from twinshard.testing.checks import adjoint_pair
 

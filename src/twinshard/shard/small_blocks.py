@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from twinshard.runtime.world import no_message
-from twinshard.tensors.placements import ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, _leaves, in_backward
+from twinshard.shard.placements import ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, _leaves, in_backward
 
 __all__ = [
     "AtomScalar",

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from twinshard.tensors import memory
-from twinshard.tensors.memory import MemoryMeasurementError, RssWindow, peak_memory_during
+from twinshard import memory
+from twinshard.memory import MemoryMeasurementError, RssWindow, peak_memory_during
 
 MB = 2**20
 
@@ -99,7 +99,7 @@ def test_resident_peak_reports_a_refused_reset(monkeypatch):
 
 
 def test_saved_and_storage_bytes_count_each_storage_once():
-    from twinshard.tensors.memory import SavedBytes, storage_bytes
+    from twinshard.memory import SavedBytes, storage_bytes
 
     w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)

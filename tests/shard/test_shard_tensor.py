@@ -9,9 +9,9 @@ import pickle
 import pytest
 import torch
 
-from twinshard.tensors.dispatch import REGISTRY
-from twinshard.tensors.placements import HaloPadded, HaloState, Owned, PerSystem, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
+from twinshard.shard.dispatch import REGISTRY
+from twinshard.shard.placements import HaloPadded, HaloState, Owned, PerSystem, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 
 
 class _Plan:

@@ -1,14 +1,14 @@
 """``ShardTensor``: this rank's rows of a per-particle tensor, with their placement.
 
 A ``ShardTensor`` is a ``torch.Tensor`` *wrapper subclass* around the local rows
-(``to_local()``), carrying a :class:`~twinshard.tensors.placements.ShardSpec`:
+(``to_local()``), carrying a :class:`~twinshard.shard.placements.ShardSpec`:
 placement (``Owned`` / ``HaloPadded`` with its halo plan / ``PerSystem``), halo
 state (fresh / stale / partial sums), process group and number of systems.
 Wrapping is zero-copy (:meth:`ShardTensor.wrap`, :func:`from_local`). A model
 written in plain PyTorch runs on it unchanged; two hooks make that safe:
 
 ``__torch_function__`` (above autograd) consults the handler registry of
-:mod:`twinshard.tensors.dispatch`: the first handler whose predicate matches the
+:mod:`twinshard.shard.dispatch`: the first handler whose predicate matches the
 call runs instead of the op (halo refresh before a gather along the atom
 dimension, halo correction after a scatter into a halo-padded tensor, a
 per-system reduce, the sharded-storage gathers and scatters, ...). Handlers are
@@ -41,13 +41,13 @@ rows and decides what comes out:
   halo rows twice, so it is never silently computed on local rows.
   An opaque custom op (a ``torch.library`` kernel outside ``aten``/``prims``) with a
   per-atom ShardTensor argument raises too: it runs distributed only through an adapter
-  (:mod:`twinshard.tensors.custom_ops`), which hands it local rows.
+  (:mod:`twinshard.shard.custom_ops`), which hands it local rows.
   Autograd's own backward ops (which run here with ShardTensor gradients) are
   exempt: their communication is in the handlers' adjoints.
 
 Blocks of one atom row or none see lowerings the others do not (``tensordot`` to one
 channel becomes ``dot`` of the row; ``view(0, -1)`` is ambiguous): the exact local answer
-for them is in :mod:`twinshard.tensors.small_blocks`. What ``__torch_dispatch__`` raises is
+for them is in :mod:`twinshard.shard.small_blocks`. What ``__torch_dispatch__`` raises is
 recorded there too, so that ``__torch_function__`` re-raises it (its type, message, traceback)
 when TorchScript, which drops a Python exception's text, hands back an empty ``RuntimeError``.
 """
@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from twinshard.tensors.placements import HaloPadded, HaloState, Owned, PerSystem, ShardSpec
+from twinshard.shard.placements import HaloPadded, HaloState, Owned, PerSystem, ShardSpec
 
 __all__ = ["ShardTensor", "UnhandledAtomOp", "from_local", "to_local", "in_backward"]
 
@@ -191,7 +191,7 @@ class ShardTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        from twinshard.tensors.dispatch import REGISTRY
+        from twinshard.shard.dispatch import REGISTRY
 
         handler = REGISTRY.match(func, args, kwargs)
         with _calling(_fn_name(func)):
@@ -612,8 +612,8 @@ def _check_opaque(func: Any, args: tuple, kwargs: dict) -> None:
             f"custom op {func._schema.name} is an opaque kernel called with a per-atom ShardTensor "
             "and no adapter is installed: on local rows it would give a silently wrong answer (stale "
             "halo rows, partial sums left in the halo, rows other ranks own missing). Declare its "
-            "inputs and outputs with twinshard.tensors.custom_ops.adapt(...) and call it inside "
-            "twinshard.tensors.custom_ops.distributed_scope(), or call it on .to_local() rows"
+            "inputs and outputs with twinshard.shard.custom_ops.adapt(...) and call it inside "
+            "twinshard.shard.custom_ops.distributed_scope(), or call it on .to_local() rows"
         )
 
 
@@ -630,7 +630,7 @@ def _unhandled(func: Any, why: str) -> UnhandledAtomOp:
     return UnhandledAtomOp(
         f"{func}{via} {why} the atom dimension of a per-atom ShardTensor and no dispatch handler "
         "matched it: on local rows it would give a silently wrong answer (halo rows counted twice, "
-        "rows other ranks own missing). Register a handler (twinshard.tensors.dispatch.register) "
+        "rows other ranks own missing). Register a handler (twinshard.shard.dispatch.register) "
         "or call .to_local() and do the communication explicitly"
     )
 
@@ -673,4 +673,4 @@ def to_local(x: torch.Tensor) -> torch.Tensor:
 
 
 # the one-atom / no-atom lowerings and the TorchScript error record (imports ShardTensor from here)
-from twinshard.tensors import small_blocks as _small  # noqa: E402
+from twinshard.shard import small_blocks as _small  # noqa: E402

@@ -96,7 +96,7 @@ def peak_memory_during(fn: Callable[[], Any], device: torch.device) -> tuple[Any
         raise MemoryMeasurementError(
             f"cannot measure the CPU tensor peak: torch {torch.__version__}'s profiler no longer "
             f"exposes allocator events through prof.profiler.kineto_results ({exc!r}); "
-            "twinshard.tensors.memory needs updating for this torch version"
+            "twinshard.memory needs updating for this torch version"
         ) from exc
     if _SENTINEL_BYTES not in {b for _, b in events}:
         raise MemoryMeasurementError(

@@ -13,9 +13,9 @@ from twinshard.atoms import structures
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.comm import CommLedger
 from twinshard.comm.adjoint import adjoint_pair
-from twinshard.tensors import dispatch as D
-from twinshard.tensors.placements import HaloPadded, HaloState, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, to_local
+from twinshard.shard import dispatch as D
+from twinshard.shard.placements import HaloPadded, HaloState, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, to_local
 from twinshard.testing import assert_parity, run_on_world
 
 GRIDS = {1: None, 2: (2, 1, 1), 4: (2, 2, 1)}

@@ -16,9 +16,9 @@ from twinshard.atoms import structures
 from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
 from twinshard.comm.ledger import CommLedger
-from twinshard.tensors.dispatch import REGISTRY
-from twinshard.tensors.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
+from twinshard.shard.dispatch import REGISTRY
+from twinshard.shard.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 from twinshard.testing import assert_parity, run_on_world
 from twinshard.testing.checks import adjoint_pair
 
@@ -379,7 +379,7 @@ def test_unhandled_atom_op_raises_naming_it(op, name):
 
 
 def test_user_handler_runs_first():
-    from twinshard.tensors.dispatch import Handler
+    from twinshard.shard.dispatch import Handler
 
     seen = []
     h = Handler(
@@ -394,7 +394,7 @@ def test_user_handler_runs_first():
 
 
 def _rank_mesh():
-    from twinshard.tensors.placements import spatial_mesh
+    from twinshard.shard.placements import spatial_mesh
 
     m = spatial_mesh((2, 2, 1))
     return tuple(m.shape), m.mesh_dim_names, m.get_coordinate()

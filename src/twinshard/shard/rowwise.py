@@ -1,5 +1,5 @@
 """Row-wise handlers: ops that keep the atom dimension as a batch dimension (registered in
-:data:`~twinshard.tensors.dispatch.REGISTRY` when the dispatch module is imported).
+:data:`~twinshard.shard.dispatch.REGISTRY` when the dispatch module is imported).
 
 Equivariant models contract features per atom with ``einsum`` / ``tensordot`` (MACE's symmetric
 contraction, e3nn's tensor products) and pick one column per row with ``x[arange(n), col]``
@@ -30,7 +30,7 @@ the inputs' placement; anything else takes the default path (and raises there if
     the reduction over the new leading dim, ``sum(dim=0)``, giving back a per-atom ShardTensor;
     every other op on it raises ``UnhandledAtomOp``. Plain operands of the same shape and dtype
     are plain per-row tensors (the local rows of a per-atom quantity, as mace's ZBL pair energy
-    ``V_ZBL [n_local]``; read with :func:`~twinshard.tensors.dispatch.plain_rows`: STALE), as long
+    ``V_ZBL [n_local]``; read with :func:`~twinshard.shard.dispatch.plain_rows`: STALE), as long
     as one operand is a per-atom ShardTensor; the result is then STALE. Every other stack / cat
     along the atom dimension still raises.
 
@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from twinshard.tensors.dispatch import REGISTRY, Handler, plain_rows
-from twinshard.tensors.placements import HaloState, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
+from twinshard.shard.dispatch import REGISTRY, Handler, plain_rows
+from twinshard.shard.placements import HaloState, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 
 __all__ = ["StackedRows", "rowwise_handlers"]
 

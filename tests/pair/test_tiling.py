@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from twinshard.tensors.dtensor import (
+from twinshard.pair.tiling import (
     MSA,
     PAIR,
     SINGLE,

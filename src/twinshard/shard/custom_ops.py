@@ -12,7 +12,7 @@ op). An *adapter* declares what the kernel needs, per argument and per output::
     with distributed_scope():          # adapters installed here only
         e = torch.ops.mylib.pair_energy(positions, charges, senders, receivers)
 
-Inside :func:`distributed_scope` a handler of :data:`twinshard.tensors.dispatch.REGISTRY`
+Inside :func:`distributed_scope` a handler of :data:`twinshard.shard.dispatch.REGISTRY`
 recognises the op (a custom op called with a ShardTensor reaches
 ``ShardTensor.__torch_function__`` as its ``OpOverload``, above autograd), applies the input
 transforms, calls the op on plain local tensors (so the op's own ``register_autograd`` backward
@@ -90,9 +90,9 @@ import torch
 from twinshard.comm import ops
 from twinshard.comm import primitives as prim
 from twinshard.comm.ops import agree_requires_grad
-from twinshard.tensors.dispatch import REGISTRY, Handler, partial_to_replicate
-from twinshard.tensors.placements import HaloPadded, HaloState, Owned, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, from_local, to_local
+from twinshard.shard.dispatch import REGISTRY, Handler, partial_to_replicate
+from twinshard.shard.placements import HaloPadded, HaloState, Owned, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, from_local, to_local
 
 __all__ = [
     "ALL_REDUCE",
@@ -157,7 +157,7 @@ def _plan(key: int) -> Any:
     except KeyError:
         raise RuntimeError(
             f"halo plan handle {key} is not live: call the halo ops through "
-            "twinshard.tensors.custom_ops.halo_forward / halo_reverse"
+            "twinshard.shard.custom_ops.halo_forward / halo_reverse"
         ) from None
 
 

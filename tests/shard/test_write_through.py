@@ -10,8 +10,8 @@ One process, no communication (the plan stub raises if anything exchanged).
 import pytest
 import torch
 
-from twinshard.tensors.placements import HaloPadded, HaloState, ShardSpec
-from twinshard.tensors.shard_tensor import ShardTensor, UnhandledAtomOp, from_local
+from twinshard.shard.placements import HaloPadded, HaloState, ShardSpec
+from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local
 
 
 class _Plan:

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.tensors.rng import normal, philox4x32, random_bits, uniform
+from twinshard.rng import normal, philox4x32, random_bits, uniform
 from twinshard.testing import assert_shards_cover, rows_of, run_on_world
 
 
