@@ -247,7 +247,8 @@ def simulate(
     tails on a restart); a distributed driver runs it inside a fail-together step and passes
     False (an error raised on rank 0 alone would leave the other ranks waiting). The global
     sums (energies, heat) and gathers are issued on every rank at the same steps, so all ranks
-    reach the same collectives.
+    reach the same collectives; so are the integrator's own (a Nose-Hoover chain: one
+    ``engine.reduce_sum`` of the kinetic energy per thermostat half-step, every step).
 
     Sanity (:mod:`twinshard.atoms.sanity`): every step, ``engine.set_state`` raises
     :class:`~twinshard.atoms.sanity.Diverged` on every rank for non-finite or runaway positions
