@@ -248,7 +248,7 @@ class NoseHooverChain(VelocityVerlet):
         self.kT = units.kB * self.temperature
         self.eta = [0.0] * self.chain
         self.p_eta = [0.0] * self.chain
-        self.n_dof = 0  # 3 N, from the first global kinetic energy call
+        self.n_dof = 0  # 3 N: set by bind (or, unbound, by the first half-step)
         self._reduce_sum: Any = _serial_sum  # until bound to an engine
         self._rank = 0
 
