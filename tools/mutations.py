@@ -296,6 +296,22 @@ MUTATIONS: list[Mutation] = [
         "xi = rng.normal(self.seed, LANGEVIN_STREAM, ida - ida.min(), int(step), comp, dtype=v.dtype, device=v.device)",
         ("tests/atoms/test_md_parity.py", "tests/atoms/test_md.py"),
     ),
+    M(
+        "nhc_local_kinetic",
+        "missing reduction",
+        "atoms/integrators.py",
+        "return float(self._reduce_sum(2.0 * kinetic_energy(velocities, masses)))",
+        "return float(2.0 * kinetic_energy(velocities, masses))",
+        ("tests/atoms/test_nose_hoover.py",),
+    ),
+    M(
+        "nhc_chain_not_in_checkpoint",
+        "state dropped",
+        "atoms/integrators.py",
+        '            "eta": list(self.eta),\n            "p_eta": list(self.p_eta),\n',
+        "",
+        ("tests/atoms/test_nose_hoover.py",),
+    ),
     # -- atoms: the files of an MD run (torn tails of a killed run, unwritable paths)
     M(
         "torn_frame_left_in_place",

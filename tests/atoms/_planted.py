@@ -106,6 +106,13 @@ def _langevin_row_keys(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(integrators, "_keys", keys)
 
 
+def _nhc_local_kinetic(mp: pytest.MonkeyPatch) -> None:
+    """The Nose-Hoover chain is driven by this rank's kinetic energy, not the all-reduced one."""
+    from twinshard.atoms.integrators import NoseHooverChain, kinetic_energy
+
+    mp.setattr(NoseHooverChain, "_twice_kinetic", lambda self, v, m: float(2.0 * kinetic_energy(v, m)))
+
+
 def _block_inputs_drops_wrap_shift(mp: pytest.MonkeyPatch) -> None:
     """The dispatch inputs forget the block neighbour list's own lattice shift (wrap axes): edge
     shifts from the rows' frames only, as when every image was a halo row."""
@@ -129,6 +136,7 @@ PLANTS = {
     "migrate_drop": _migrate_drop,
     "migrate_duplicate": _migrate_duplicate,
     "langevin_row_keys": _langevin_row_keys,
+    "nhc_local_kinetic": _nhc_local_kinetic,
 }
 
 

@@ -44,10 +44,13 @@ from torch import nn
 
 from twinshard.atoms.md import (
     Langevin,
+    NoseHooverChain,
     ThermoLog,
     VelocityVerlet,
     check_restart,
+    dynamic_values,
     load_checkpoint,
+    load_dynamic_values,
     maxwell_boltzmann,
     simulate,
 )
@@ -115,7 +118,13 @@ class MDResult:
 
 
 def _integrator(
-    thermostat: str | VelocityVerlet, dt: float, temperature: float, friction: float, seed: int
+    thermostat: str | VelocityVerlet,
+    dt: float,
+    temperature: float,
+    friction: float,
+    seed: int,
+    tdamp: float | None = None,
+    chain: int = 3,
 ) -> VelocityVerlet:
     if isinstance(thermostat, VelocityVerlet):
         return thermostat
@@ -123,8 +132,11 @@ def _integrator(
         return VelocityVerlet(dt)
     if thermostat == "langevin":
         return Langevin(dt, temperature, friction, seed=seed)
+    if thermostat == "nose-hoover":
+        return NoseHooverChain(dt, temperature, tdamp, chain)
     raise ValueError(
-        f"thermostat must be 'none', 'langevin' or an integrator (VelocityVerlet, Langevin), got {thermostat!r}"
+        "thermostat must be 'none', 'langevin', 'nose-hoover' or an integrator (VelocityVerlet, "
+        f"Langevin, NoseHooverChain), got {thermostat!r}"
     )
 
 
@@ -138,6 +150,8 @@ def run_md(
     dt: float = 2.0,
     temperature: float = 300.0,
     friction: float = 0.01,
+    tdamp: float | None = None,
+    chain: int = 3,
     seed: int = 0,
     initial_temperature: float | None = None,
     skin: float = 1.0,
@@ -170,8 +184,10 @@ def run_md(
         ranks: local ranks to spawn (ignored inside a world, e.g. under torchrun).
         steps: the step the run ends at (a restarted run continues up to it).
         thermostat: ``"none"`` (NVE velocity Verlet), ``"langevin"`` (BAOAB at
-            ``temperature`` K with ``friction`` 1/fs and noise ``seed``), or an
-            integrator object (``VelocityVerlet(dt)``, ``Langevin(...)``).
+            ``temperature`` K with ``friction`` 1/fs and noise ``seed``),
+            ``"nose-hoover"`` (a Nose-Hoover chain of ``chain`` thermostats at ``temperature``
+            K with time scale ``tdamp`` fs, default 100 ``dt``), or an integrator object
+            (``VelocityVerlet(dt)``, ``Langevin(...)``, ``NoseHooverChain(...)``).
         dt: time step in fs.
         initial_temperature: if given, velocities are drawn from Maxwell-Boltzmann
             at this temperature (keyed by atom id and ``seed``); otherwise the
@@ -212,7 +228,7 @@ def run_md(
         system = system.to(dtype=dtype)
     if system is not None and hasattr(potential, "check_species"):  # every rank has the system here
         potential.check_species(system.numbers.unique().tolist())
-    integ = _integrator(thermostat, dt, temperature, friction, seed)
+    integ = _integrator(thermostat, dt, temperature, friction, seed, tdamp, chain)
     opts = {
         "steps": int(steps),
         "initial_temperature": initial_temperature,
@@ -272,7 +288,8 @@ def _md_rank(
     world = require_world("twinshard.atoms.run_md")
     rank = world.rank
     potential = potential.to(world.device)  # where it runs; its provenance is read there too
-    resume = torch.zeros(2, dtype=torch.float64, device=world.device)
+    # [start step, bath heat so far, the thermostat's variables (their count is a setting)]
+    resume = torch.zeros(2 + len(dynamic_values(integ)), dtype=torch.float64, device=world.device)
     mine: System | None = None
     notes: list[str] = []  # rank 0: what prepare_outputs removed or cut
     provenance = changed = None
@@ -302,7 +319,9 @@ def _md_rank(
                     allow=opts["allow_changed_potential"],
                 )
                 mine = state["system"].to(dtype=system.dtype if system is not None else torch.float64)
+                integ.load_state(state["integrator"])  # the chain's variables, checked here
                 resume[0], resume[1] = float(state["step"]), float(state["heat"])
+                resume[2:] = torch.tensor(dynamic_values(integ), dtype=torch.float64)
             else:
                 assert system is not None
                 mine = system.clone()
@@ -317,6 +336,7 @@ def _md_rank(
         print(f"twinshard: {changed}", file=sys.stderr, flush=True)
     resume = prim.broadcast(resume, 0, None, op="md_setup")
     start_step, heat0 = int(resume[0]), float(resume[1])
+    load_dynamic_values(integ, resume[2:].tolist())  # every rank's chain starts from rank 0's
     if opts["storage"] == "graph":
         from twinshard.atoms.graph_storage import GraphSharded
 

@@ -22,7 +22,9 @@ backward, one all_reduce of the energy), ``update``'s all_gather of the
 largest displacement and the position sanity report (plus, on a rebuild, migration
 all_to_alls and the halo plan; graph storage: the all_gather of the owned positions
 instead), and one thermo all_reduce (kinetic energy, bath heat and each rank's largest
-force) on logged steps. The sanity checks (:mod:`twinshard.atoms.sanity`: non-finite or
+force) on logged steps; ``--thermostat nose-hoover`` adds two all_reduces of one scalar (the
+global kinetic energy that drives the chain, :class:`~twinshard.atoms.integrators.NoseHooverChain`)
+per step. The sanity checks (:mod:`twinshard.atoms.sanity`: non-finite or
 runaway positions every step; non-finite energies or forces, ``--max-temperature`` and
 ``--max-force`` on logged steps) ride on those collectives and add none; every rank raises
 the same error.
@@ -46,8 +48,8 @@ Figures (per rank, reported by rank 0):
   3x3, sign convention of :mod:`twinshard.atoms.potentials.base`.
 
 Restart: ``--checkpoint FILE --checkpoint-every K`` writes the gathered system,
-the step, the integrator settings, the RNG position and the bath heat
-atomically on rank 0; ``--restart FILE`` continues from it, at any rank count,
+the step, the integrator state (settings; a Nose-Hoover chain's variables), the RNG position
+and the bath heat atomically on rank 0; ``--restart FILE`` continues from it, at any rank count,
 up to ``--steps`` (which counts the whole run). Before step 1 rank 0 checks that the
 ``--checkpoint/--trajectory/--thermo`` paths are writable, removes the temporaries killed
 writers left, and on a restart cuts torn tails (:mod:`twinshard.atoms.md_files`; the result's
@@ -74,10 +76,13 @@ import torch
 
 from twinshard.atoms.md import (
     Langevin,
+    NoseHooverChain,
     SerialEngine,
     VelocityVerlet,
     check_restart,
+    dynamic_values,
     load_checkpoint,
+    load_dynamic_values,
     maxwell_boltzmann,
     simulate,
 )
@@ -136,6 +141,8 @@ class MDConfig:
     thermostat: str = "none"
     temperature: float = 60.0
     friction: float = 0.01
+    tdamp: float | None = None
+    chain: int = 3
     seed: int = 0
     skin: float = 1.0
     partition: str = "spatial"
@@ -271,9 +278,11 @@ def potential_from_config(cfg: MDConfig, species: list[int]) -> Any:
 def make_integrator(cfg: MDConfig) -> VelocityVerlet:
     if cfg.thermostat == "langevin":
         return Langevin(cfg.dt, cfg.temperature, cfg.friction, seed=cfg.seed)
+    if cfg.thermostat == "nose-hoover":
+        return NoseHooverChain(cfg.dt, cfg.temperature, cfg.tdamp, cfg.chain)
     if cfg.thermostat in ("none", "nve"):
         return VelocityVerlet(cfg.dt)
-    raise ValueError(f"unknown thermostat {cfg.thermostat!r}; choose 'none' or 'langevin'")
+    raise ValueError(f"unknown thermostat {cfg.thermostat!r}; choose 'none', 'langevin' or 'nose-hoover'")
 
 
 def ghost_shell_estimate(
@@ -390,11 +399,13 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     system: System | None = None
     dev = world.device  # every collective payload and per-atom tensor lives here
     mask = torch.zeros(119, dtype=torch.int64, device=dev)
-    resume = torch.zeros(2, dtype=torch.float64, device=dev)  # [start step, bath heat so far]
     notes: list[str] = []  # rank 0: what prepare_outputs removed or cut
     saved: dict[str, Any] | None = None  # rank 0: the checkpoint, for the provenance check
+    resume: Any = None
     with agree_step("md: load the structure and check the options"):
         integ = make_integrator(cfg)  # option errors surface on every rank
+        # [start step, bath heat so far, the thermostat's variables (their count is a setting)]
+        resume = torch.zeros(2 + len(dynamic_values(integ)), dtype=torch.float64, device=dev)
         if cfg.steps < 0:
             raise ValueError(f"steps must be >= 0, got {cfg.steps}")
         if cfg.checkpoint_every < 0:
@@ -412,7 +423,9 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
                         f"{cfg.steps}: --steps counts the whole run, give a larger total"
                     )
                 system = state["system"]
+                integ.load_state(state["integrator"])  # the chain's variables, checked here
                 resume[0], resume[1] = float(state["step"]), float(state["heat"])
+                resume[2:] = torch.tensor(dynamic_values(integ), dtype=torch.float64)
             else:
                 system = load_structure(cfg)
             mask[system.numbers.unique().to(dev)] = 1
@@ -421,6 +434,8 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     mask = prim.broadcast(mask, 0, None, op="md_setup")
     resume = prim.broadcast(resume, 0, None, op="md_setup")
     start_step, heat0 = int(resume[0]), float(resume[1])
+    dyn0 = resume[2:].tolist()  # every rank's chain, and --check-serial's serial twin, start here
+    load_dynamic_values(integ, dyn0)
     species = torch.nonzero(mask).flatten().tolist()
     provenance = changed = None
     with agree_step("md: build the potential"):
@@ -584,13 +599,20 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     if cfg.check_serial:
         assert system is not None and start_ids is not None and start_forces is not None
         result.update(
-            _check_serial(cfg, potential, system, res0, start_ids, start_forces, final, start_step, heat0)
+            _check_serial(
+                cfg, potential, system, res0, start_ids, start_forces, final, start_step, heat0, dyn0
+            )
         )
     return result
 
 
 def _serial_reference(
-    cfg: MDConfig, potential: Any, system: System, start_step: int = 0, heat: float = 0.0
+    cfg: MDConfig,
+    potential: Any,
+    system: System,
+    start_step: int = 0,
+    heat: float = 0.0,
+    dynamic: list[float] | None = None,
 ) -> dict[str, Any]:
     """Rank 0: serial start evaluation and trajectory (cached in ``cfg.serial_cache`` if set,
     so a benchmark over several rank counts runs the serial twin once)."""
@@ -612,9 +634,11 @@ def _serial_reference(
         )
         ref = evaluate_reference(potential, system)
         resident = _tensor_bytes(engine.system, engine.verlet.edges)
+        integ = make_integrator(cfg)
+        load_dynamic_values(integ, dynamic or [])
         run = simulate(
             engine,
-            make_integrator(cfg),
+            integ,
             cfg.steps,
             thermo_every=max(1, cfg.thermo_every),
             start_step=start_step,
@@ -649,9 +673,10 @@ def _check_serial(
     final: System,
     start_step: int = 0,
     heat: float = 0.0,
+    dynamic: list[float] | None = None,
 ) -> dict[str, Any]:
     """Rank 0: differences between the distributed run and its serial twin."""
-    ref = _serial_reference(cfg, potential, system, start_step, heat)
+    ref = _serial_reference(cfg, potential, system, start_step, heat, dynamic)
     figures = error_figures(
         res0.energy,
         _by_id(start_ids, start_forces),

@@ -21,7 +21,7 @@ uninterrupted one to round-off; before step 1 rank 0 checks the output paths, an
 the torn tails and the post-checkpoint frames/rows of the trajectory and thermo log
 (:mod:`twinshard.atoms.md_files`). A checkpoint holds positions, velocities, ids,
 numbers, masses, cell, pbc and extra per-atom arrays (not ``info``), the step,
-the integrator's settings (the thermostat state) and the RNG position (seed,
+the integrator's state (its settings and a Nose-Hoover chain's variables), the RNG position (seed,
 stream, next step) plus the bath heat so far, what produced it (the potential's and the
 structure's identity, :mod:`twinshard.atoms.provenance`) and a SHA-256 checksum of all that; it
 loads with ``torch.load(weights_only=True)`` (:func:`load_checkpoint`, which refuses a payload
@@ -45,6 +45,7 @@ from twinshard.atoms.integrators import (  # re-exported: md.py held them before
     LANGEVIN_STREAM,
     VELOCITY_STREAM,
     Langevin,
+    NoseHooverChain,
     VelocityVerlet,
     kinetic_energy,
     maxwell_boltzmann,
@@ -61,6 +62,7 @@ __all__ = [
     "VELOCITY_STREAM",
     "VelocityVerlet",
     "Langevin",
+    "NoseHooverChain",
     "maxwell_boltzmann",
     "kinetic_energy",
     "Engine",
@@ -72,6 +74,8 @@ __all__ = [
     "checkpoint_state",
     "CHECKPOINT_FORMAT",
     "check_restart",
+    "dynamic_values",
+    "load_dynamic_values",
 ]
 
 
@@ -230,7 +234,8 @@ def simulate(
 
     Step ``s`` (1-based) uses noise keys ``step = s``, so a run restarted at
     ``start_step`` (with the bath ``heat`` exchanged so far, both from
-    :func:`load_checkpoint`) continues the uninterrupted run's noise. Thermo rows
+    :func:`load_checkpoint`, and an integrator that loaded its ``dynamic`` state from the
+    checkpoint's ``"integrator"``) continues the uninterrupted run. Thermo rows
     are written every ``thermo_every`` steps (and at the start; a restart keeps the
     file's rows up to ``start_step`` and appends); a trajectory frame (extxyz,
     gathered on rank 0) every ``trajectory_every`` steps; a checkpoint (gathered on
@@ -242,7 +247,8 @@ def simulate(
     tails on a restart); a distributed driver runs it inside a fail-together step and passes
     False (an error raised on rank 0 alone would leave the other ranks waiting). The global
     sums (energies, heat) and gathers are issued on every rank at the same steps, so all ranks
-    reach the same collectives.
+    reach the same collectives; so are the integrator's own (a Nose-Hoover chain: one
+    ``engine.reduce_sum`` of the kinetic energy per thermostat half-step, every step).
 
     Sanity (:mod:`twinshard.atoms.sanity`): every step, ``engine.set_state`` raises
     :class:`~twinshard.atoms.sanity.Diverged` on every rank for non-finite or runaway positions
@@ -265,6 +271,7 @@ def simulate(
         raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
     max_temperature = sanity.bound("max_temperature", max_temperature)
     max_force = sanity.bound("max_force", max_force)
+    getattr(integrator, "bind", lambda engine: None)(engine)  # e.g. the chain's global kinetic energy
     if check_files and engine.rank == 0:
         names = ("checkpoint=", "trajectory=", "thermo_path=")
         prepare_outputs(start_step, checkpoint, trajectory, thermo_path, names=names)
@@ -466,14 +473,31 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 def check_restart(state: dict[str, Any], integrator: VelocityVerlet, path: str = "the checkpoint") -> None:
     """Raise ValueError if ``integrator`` differs from the one that wrote ``state`` (a resumed
-    run must integrate with the same settings to continue the same trajectory)."""
+    run must integrate with the same settings to continue the same trajectory). The integrator's
+    ``dynamic`` entries (a thermostat's variables) are not settings: the restart loads them."""
     saved, now = state["integrator"], integrator.state()
-    diff = {
-        k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
-    }
+    keys = sorted((set(saved) | set(now)) - set(getattr(integrator, "dynamic", ())))
+    diff = {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
     if diff:
         text = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
         raise ValueError(
             f"{path} was written with other integrator settings ({text}); restart with the same "
-            "--thermostat/--dt/--temperature/--friction/--seed"
+            "--thermostat/--dt/--temperature/--friction/--seed/--tdamp/--chain"
         )
+
+
+def dynamic_values(integrator: VelocityVerlet) -> list[float]:
+    """The integrator's ``dynamic`` state entries, flat: what a restart sends from rank 0 (which
+    loaded them from the checkpoint) to every rank. The length follows from the settings, so every
+    rank knows it (empty for velocity Verlet and Langevin)."""
+    state = integrator.state()
+    return [float(v) for k in getattr(integrator, "dynamic", ()) for v in state[k]]
+
+
+def load_dynamic_values(integrator: VelocityVerlet, values: list[float]) -> None:
+    """Inverse of :func:`dynamic_values`: load the flat values into the integrator."""
+    own, at, state = integrator.state(), 0, {}
+    for k in getattr(integrator, "dynamic", ()):
+        state[k], at = values[at : at + len(own[k])], at + len(own[k])
+    if state:
+        integrator.load_state(state)

@@ -93,11 +93,20 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--dt", type=float, default=2.0, help="time step in fs")
-    p.add_argument("--thermostat", choices=("none", "langevin"), default="none")
     p.add_argument(
-        "--temperature", type=float, default=60.0, help="K: start velocities and the Langevin bath"
+        "--thermostat",
+        choices=("none", "langevin", "nose-hoover"),
+        default="none",
+        help="none: NVE velocity Verlet; langevin: BAOAB; nose-hoover: a Nose-Hoover chain (MTTK)",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=60.0, help="K: start velocities and the thermostat's bath"
     )
     p.add_argument("--friction", type=float, default=0.01, help="Langevin friction, 1/fs")
+    p.add_argument(
+        "--tdamp", type=float, default=None, metavar="FS", help="Nose-Hoover time scale, fs (default 100 dt)"
+    )
+    p.add_argument("--chain", type=_positive, default=3, metavar="N", help="Nose-Hoover chain length")
     p.add_argument(
         "--atoms",
         type=_positive,
@@ -151,7 +160,8 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="continue from a checkpoint (any rank count) up to --steps, which counts the whole run; "
-        "give the same --thermostat/--dt/--temperature/--friction/--seed and potential options",
+        "give the same --thermostat/--dt/--temperature/--friction/--seed/--tdamp/--chain and potential "
+        "options",
     )
     p.add_argument(
         "--allow-changed-potential",
