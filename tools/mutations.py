@@ -150,7 +150,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "scatter_index_varying_ignored",
         "silent wrong input",
-        "shard/dispatch.py",
+        "shard/sharded_handlers.py",
         "owner, s, r = _route(ids, offsets, x, nranks, not_constant=varying)",
         "owner, s, r = _route(ids, offsets, x, nranks, not_constant=False)",
         ("tests/shard/test_dispatch.py",),
@@ -544,7 +544,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "routing_kept_per_rank_key",
         "stale cache",
-        "shard/dispatch.py",
+        "shard/sharded_handlers.py",
         "key = (tuple(v for k in keys for v in k), n, me)",
         "key = (tuple(mine), n, me)",
         ("tests/shard/test_dispatch.py",),
@@ -552,7 +552,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "routing_ignores_index_version",
         "stale cache",
-        "shard/dispatch.py",
+        "shard/sharded_handlers.py",
         "        index._version,\n",
         "",
         ("tests/shard/test_dispatch.py",),
@@ -560,7 +560,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "per_system_reduce_dropped",
         "dropped reduction",
-        "shard/dispatch.py",
+        "shard/reduce_handlers.py",
         'return prim.all_reduce(x, group, op="per_system_reduce")',
         "return x.clone()",
         ("tests/shard/test_dispatch.py",),
@@ -568,7 +568,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "lazy_halo_reverse_skipped",
         "dropped halo sum",
-        "shard/dispatch.py",
+        "shard/halo_handlers.py",
         "local = index.numel() > 0 and bool(index.max() >= n_owned)",
         "local = False",
         ("tests/shard/test_dispatch_lazy.py", "tests/atoms/test_mpnn_plain.py"),
@@ -578,7 +578,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "plain_rows_reduce_unreduced",
         "dropped reduction",
-        "shard/dispatch.py",
+        "shard/reduce_handlers.py",
         "total = partial_to_replicate(flat, index.group)",
         "total = flat.clone()",
         ("tests/shard/test_dispatch_plain_rows.py", "tests/atoms/test_mace_zbl.py"),
@@ -586,7 +586,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "plain_rows_taken_fresh",
         "stale halo read",
-        "shard/dispatch.py",
+        "shard/reduce_handlers.py",
         "return from_local(t, like._spec.with_state(HaloState.STALE))",
         "return from_local(t, like._spec)",
         ("tests/shard/test_dispatch_plain_rows.py",),
@@ -775,7 +775,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "lazy_halo_vote_needs_every_rank",
         "unagreed control flow",
-        "shard/dispatch.py",
+        "shard/halo_handlers.py",
         'return bool(prim.all_reduce(flag, group, op="halo_correction_vote")[0] > 0)',
         'return bool(prim.all_reduce(flag, group, op="halo_correction_vote")[0] >= prim.group_size(group))',
         ("tests/shard/test_dispatch_situations.py",),
@@ -783,7 +783,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "refresh_cache_ignores_wrapper_writes",
         "stale cache",
-        "shard/dispatch.py",
+        "shard/halo_handlers.py",
         "version = (x._version, x._local._version)",
         "version = (0, x._local._version)",
         ("tests/shard/test_dispatch_situations.py",),
@@ -791,7 +791,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "refresh_cache_ignores_local_writes",
         "stale cache",
-        "shard/dispatch.py",
+        "shard/halo_handlers.py",
         "version = (x._version, x._local._version)",
         "version = (x._version, 0)",
         ("tests/shard/test_dispatch_situations.py",),
@@ -799,7 +799,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "refresh_cache_reused_without_graph",
         "dropped gradient",
-        "shard/dispatch.py",
+        "shard/halo_handlers.py",
         "linked = torch.is_grad_enabled() and x.requires_grad",
         "linked = False",
         ("tests/shard/test_dispatch_situations.py",),
@@ -807,7 +807,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "feature_dim_taken_as_atoms",
         "wrong dim",
-        "shard/dispatch.py",
+        "shard/registry.py",
         'if c is None or c.dim != 0 or c.scatter != (kind == "scatter"):',
         'if c is None or c.scatter != (kind == "scatter"):',
         ("tests/shard/test_dispatch_situations.py",),
@@ -815,7 +815,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "routing_kept_across_placements",
         "stale cache",
-        "shard/dispatch.py",
+        "shard/sharded_handlers.py",
         "if got is not None and got[1] == x._spec.placement:",
         "if got is not None:",
         ("tests/shard/test_dispatch_situations.py",),
@@ -823,7 +823,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "scatter_alpha_kwarg_dropped",
         "ignored argument",
-        "shard/dispatch.py",
+        "shard/registry.py",
         'return IndexCall(name, t, dim, index, src, kwargs.get("alpha", 1))',
         "return IndexCall(name, t, dim, index, src)",
         ("tests/shard/test_dispatch_situations.py",),
@@ -831,7 +831,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "local_scatter_alpha_dropped",
         "ignored argument",
-        "shard/dispatch.py",
+        "shard/registry.py",
         "return zeros.index_add(0, index, src, alpha=c.alpha)",
         "return zeros.index_add(0, index, src)",
         ("tests/shard/test_dispatch_situations.py",),
@@ -839,7 +839,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "sharded_scatter_alpha_dropped",
         "ignored argument",
-        "shard/dispatch.py",
+        "shard/sharded_handlers.py",
         "if c.alpha != 1:",
         "if False:",
         ("tests/shard/test_dispatch_situations.py",),
@@ -847,7 +847,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "index_out_buffer_ignored",
         "ignored argument",
-        "shard/dispatch.py",
+        "shard/registry.py",
         'if kwargs.get("out") is not None:',
         "if False:",
         ("tests/shard/test_dispatch_situations.py",),
@@ -855,7 +855,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "partial_target_corrected_as_fresh",
         "double count",
-        "shard/dispatch.py",
+        "shard/halo_handlers.py",
         "if base.state == HaloState.PARTIAL:",
         "if False:",
         ("tests/shard/test_dispatch_situations.py",),

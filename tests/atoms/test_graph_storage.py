@@ -41,6 +41,7 @@ from twinshard.atoms.system import System
 from twinshard.cli import main
 from twinshard.rng import normal
 from twinshard.shard import dispatch as D
+from twinshard.shard import registry as R
 from twinshard.shard.shard_tensor import UnhandledAtomOp, to_local
 from twinshard.testing import (
     assert_grads_finite_nonzero,
@@ -100,7 +101,7 @@ def _local_only(name):
 
         def run(f, a, k):  # rank-relative ids < n_owned are the own rows; any other row reads 0
             c = D.parse_index_call(f, a, k)
-            loc, idx = to_local(c.target), D._plain(c.index)
+            loc, idx = to_local(c.target), R.plain_index(c.index)
             ok = (idx >= 0) & (idx < loc.shape[0])
             rows = loc.index_select(0, torch.where(ok, idx, torch.zeros_like(idx)))
             return torch.where(ok.reshape(ok.shape + (1,) * (rows.dim() - 1)), rows, torch.zeros_like(rows))
@@ -110,7 +111,7 @@ def _local_only(name):
         def run(f, a, k):  # this rank's partial sums, never all-reduced
             c = D.parse_index_call(f, a, k)
             z = torch.zeros(c.target.shape, dtype=c.source.dtype)
-            part = D._local_scatter(c, z, D._plain(c.index), to_local(c.source))
+            part = R.local_scatter(c, z, R.plain_index(c.index), to_local(c.source))
             return c.target.add_(part) if c.inplace else c.target + part
 
     else:

@@ -27,6 +27,7 @@ from twinshard.atoms.sharded import ShardedSystem
 from twinshard.atoms.system import System
 from twinshard.rng import normal
 from twinshard.shard import dispatch as D
+from twinshard.shard import registry as R
 from twinshard.shard.shard_tensor import UnhandledAtomOp, from_local, to_local
 from twinshard.testing import (
     assert_grads_finite_nonzero,
@@ -71,14 +72,14 @@ def _naive(name):
 
         def run(f, a, k):
             c = D.parse_index_call(f, a, k)
-            return D._local_gather(c, to_local(c.target), D._plain(c.index))
+            return R.local_gather(c, to_local(c.target), R.plain_index(c.index))
 
     elif name == "halo_correction":
 
         def run(f, a, k):
             c = D.parse_index_call(f, a, k)
             loc = to_local(c.target)
-            contrib = D._local_scatter(c, torch.zeros_like(loc), D._plain(c.index), to_local(c.source))
+            contrib = R.local_scatter(c, torch.zeros_like(loc), R.plain_index(c.index), to_local(c.source))
             return c.target.add_(from_local(contrib, c.target.spec))
 
     elif name == "per_system_reduce":
@@ -87,7 +88,7 @@ def _naive(name):
             c = D.parse_index_call(f, a, k)
             n = c.source.n_owned
             z = torch.zeros(c.target.shape, dtype=c.source.dtype)
-            return c.target + D._local_scatter(c, z, D._plain(c.index)[:n], to_local(c.source)[:n])
+            return c.target + R.local_scatter(c, z, R.plain_index(c.index)[:n], to_local(c.source)[:n])
 
     else:
         raise ValueError(name)

@@ -11,6 +11,7 @@ from twinshard.atoms.potentials.mace import build_mace, build_scaleshift_mace
 from twinshard.atoms.validate import TOLERANCES, ValidateConfig, run_validate
 from twinshard.cli import main
 from twinshard.shard import dispatch as D
+from twinshard.shard import registry as R
 from twinshard.shard.shard_tensor import to_local
 
 
@@ -19,7 +20,7 @@ def broken_refresh():
 
     def run(f, a, k):
         c = D.parse_index_call(f, a, k)
-        return D._local_gather(c, to_local(c.target), D._plain(c.index))
+        return R.local_gather(c, to_local(c.target), R.plain_index(c.index))
 
     pred = next(h.predicate for h in D._shipped() if h.name == "halo_refresh")
     return D.REGISTRY.installed(D.Handler("halo_refresh", pred, run), first=False)

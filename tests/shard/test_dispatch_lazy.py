@@ -14,6 +14,7 @@ from twinshard.atoms.sharded import ShardedSystem
 from twinshard.comm import CommLedger
 from twinshard.comm.adjoint import adjoint_pair
 from twinshard.shard import dispatch as D
+from twinshard.shard import halo_handlers as H
 from twinshard.shard.placements import HaloPadded, HaloState, ShardSpec
 from twinshard.shard.shard_tensor import ShardTensor, to_local
 from twinshard.testing import assert_parity, run_on_world
@@ -33,9 +34,9 @@ def _rank(planted=False):
     src = torch.randn(len(idx), F, generator=gen, dtype=torch.float64)
     own_idx = torch.randint(0, n, (n,), generator=gen)  # owned rows only (a block's receivers)
     zeros = ShardTensor.wrap(torch.zeros(n + nh, F, dtype=torch.float64), spec)
-    original = D._hits_halo
+    original = H._hits_halo
     if planted:  # planted bug: the agreement never sees a halo row, so the reverse is skipped
-        D._hits_halo = lambda index, n_owned, group: False
+        H._hits_halo = lambda index, n_owned, group: False
     try:
         with D.lazy_halo():
             acc = torch.zeros_like(zeros).index_add_(0, idx, src)
@@ -49,7 +50,7 @@ def _rank(planted=False):
             with CommLedger() as ledger:
                 owned_only = torch.zeros_like(zeros).index_add_(0, own_idx, src[:n])
     finally:
-        D._hits_halo = original
+        H._hits_halo = original
     return {
         "ids": ids,
         "n": n,

@@ -87,11 +87,13 @@ from typing import Any
 
 import torch
 
+import twinshard.shard.dispatch  # noqa: F401  (the shipped handlers are registered before any adapter)
 from twinshard.comm import ops
 from twinshard.comm import primitives as prim
 from twinshard.comm.ops import agree_requires_grad
-from twinshard.shard.dispatch import REGISTRY, Handler, partial_to_replicate
 from twinshard.shard.placements import HaloPadded, HaloState, Owned, ShardSpec
+from twinshard.shard.reduce_handlers import partial_to_replicate
+from twinshard.shard.registry import REGISTRY, Handler
 from twinshard.shard.shard_tensor import ShardTensor, from_local, to_local
 
 __all__ = [

@@ -1,5 +1,5 @@
 """Row-wise handlers: ops that keep the atom dimension as a batch dimension (registered in
-:data:`~twinshard.shard.dispatch.REGISTRY` when the dispatch module is imported).
+:data:`~twinshard.shard.registry.REGISTRY` by :mod:`twinshard.shard.dispatch`, in its order).
 
 Equivariant models contract features per atom with ``einsum`` / ``tensordot`` (MACE's symmetric
 contraction, e3nn's tensor products) and pick one column per row with ``x[arange(n), col]``
@@ -45,8 +45,9 @@ from typing import Any
 
 import torch
 
-from twinshard.shard.dispatch import REGISTRY, Handler, plain_rows
 from twinshard.shard.placements import HaloState, ShardSpec
+from twinshard.shard.reduce_handlers import plain_rows
+from twinshard.shard.registry import Handler
 from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 
 __all__ = ["StackedRows", "rowwise_handlers"]
@@ -291,6 +292,7 @@ def _run_stack(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def rowwise_handlers() -> list[Handler]:
+    """This family's handlers: ``rowwise_pick`` (matched first of all), then the others (last)."""
     return [
         Handler("rowwise_pick", lambda f, a, k: _pick_key(f, a) is not None, _run_pick, "x[arange(n), idx]"),
         Handler(
@@ -310,6 +312,3 @@ def rowwise_handlers() -> list[Handler]:
 
 
 # x[arange(n), idx] must be seen before halo_refresh (which would treat it as a gather)
-REGISTRY.register(rowwise_handlers()[0], first=True)
-for _h in rowwise_handlers()[1:]:
-    REGISTRY.register(_h, first=False)
