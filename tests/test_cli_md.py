@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from twinshard.atoms.driver import MDConfig, load_structure
+from twinshard.atoms.dynamics.driver import MDConfig, load_structure
 from twinshard.atoms.potentials import LennardJones, evaluate
 from twinshard.cli import main
 from twinshard.testing import assert_parity

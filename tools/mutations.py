@@ -225,7 +225,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "halo_reverse_dropped",
         "dropped halo sum",
-        "atoms/halo.py",
+        "atoms/parallel/halo.py",
         "out.index_add_(0, self.send_idx[q].to(y.device), g.to(acc))",
         "out.index_add_(0, self.send_idx[q].to(y.device), 0 * g.to(acc))",
         ("tests/atoms/test_halo.py", "tests/atoms/test_distributed.py"),
@@ -233,7 +233,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "halo_reverse_fp32",
         "fp32 cast",
-        "atoms/halo.py",
+        "atoms/parallel/halo.py",
         "acc = prim.reduce_dtype(y.dtype)",
         "acc = torch.float32",
         ("tests/atoms/test_halo.py", "tests/atoms/test_distributed.py"),
@@ -241,7 +241,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "halo_forward_misrouted_rows",
         "misrouted rows",
-        "atoms/halo.py",
+        "atoms/parallel/halo.py",
         "(self.global_peers[q], x[self.send_idx[q].to(x.device)])",
         "(self.global_peers[q], x[self.send_idx[q].roll(1).to(x.device)])",
         ("tests/atoms/test_halo.py", "tests/atoms/test_distributed.py"),
@@ -249,7 +249,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "ghost_shell_thin",
         "dropped halo row",
-        "atoms/halo.py",
+        "atoms/parallel/halo.py",
         "margin = w / partition.heights()",
         "margin = 0.97 * w / partition.heights()",
         ("tests/atoms/test_halo.py",),
@@ -257,7 +257,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "halo_receiver_off_by_one",
         "off-by-one",
-        "atoms/sharded.py",
+        "atoms/parallel/sharded.py",
         "keep = edges.receivers < self.n_owned",
         "keep = edges.receivers <= self.n_owned",
         # hooks-mode potentials overwrite halo rows, so only the halo invariant sees the extra edges
@@ -267,7 +267,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "migrate_rows_to_wrong_rank",
         "misrouted rows",
-        "atoms/sharded.py",
+        "atoms/parallel/sharded.py",
         "order = torch.sort(dest, stable=True).indices.to(dev)",
         "order = torch.sort(dest, stable=True).indices.roll(1).to(dev)",
         ("tests/atoms/test_sharded.py",),
@@ -275,7 +275,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "rebuild_threshold",
         "stale neighbour list",
-        "atoms/sharded.py",
+        "atoms/parallel/sharded.py",
         "if disp > 0.5 * self.skin or forced:",
         "if disp > 4.0 * self.skin or forced:",
         ("tests/atoms/test_md_parity.py", "tests/atoms/test_sharded.py"),
@@ -283,7 +283,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "potential_sum_dropped",
         "dropped reduction",
-        "atoms/distributed.py",
+        "atoms/parallel/distributed.py",
         'total = prim.all_reduce(packed.to(prim.reduce_dtype(dtype)), sharded.group, op="potential").to(dtype)',
         "total = packed",
         ("tests/atoms/test_distributed.py",),
@@ -291,7 +291,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "langevin_key_local_row",
         "wrong key",
-        "atoms/integrators.py",
+        "atoms/dynamics/integrators.py",
         "xi = rng.normal(self.seed, LANGEVIN_STREAM, ida, int(step), comp, dtype=v.dtype, device=v.device)",
         "xi = rng.normal(self.seed, LANGEVIN_STREAM, ida - ida.min(), int(step), comp, dtype=v.dtype, device=v.device)",
         ("tests/atoms/test_md_parity.py", "tests/atoms/test_md.py"),
@@ -299,7 +299,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "nhc_local_kinetic",
         "missing reduction",
-        "atoms/integrators.py",
+        "atoms/dynamics/integrators.py",
         "return float(self._reduce_sum(2.0 * kinetic_energy(velocities, masses)))",
         "return float(2.0 * kinetic_energy(velocities, masses))",
         ("tests/atoms/test_nose_hoover.py",),
@@ -307,7 +307,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "nhc_chain_not_in_checkpoint",
         "state dropped",
-        "atoms/integrators.py",
+        "atoms/dynamics/integrators.py",
         '            "eta": list(self.eta),\n            "p_eta": list(self.p_eta),\n',
         "",
         ("tests/atoms/test_nose_hoover.py",),
@@ -316,7 +316,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "torn_frame_left_in_place",
         "torn file kept",
-        "atoms/md_files.py",
+        "atoms/dynamics/md_files.py",
         "if damage is None and len(keep) == len(frames):",
         "if len(keep) == len(frames):",
         ("tests/atoms/test_torn_files.py",),
@@ -324,7 +324,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "torn_thermo_row_kept",
         "torn file kept",
-        "atoms/md_files.py",
+        "atoms/dynamics/md_files.py",
         'torn = f"line {i + 1}: {text[:40]!r}"',
         "keep.append(raw)",
         ("tests/atoms/test_torn_files.py",),
@@ -332,7 +332,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "mid_file_damage_cut_silently",
         "silent data loss",
-        "atoms/md_files.py",
+        "atoms/dynamics/md_files.py",
         "if damage is not None and damage.more:",
         "if False:",
         ("tests/atoms/test_torn_files.py",),
@@ -340,7 +340,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "writable_check_skipped",
         "late failure",
-        "atoms/md_files.py",
+        "atoms/dynamics/md_files.py",
         "check_writable(dict(zip(names, (checkpoint, trajectory, thermo), strict=True)))",
         "pass",
         ("tests/atoms/test_torn_files.py",),
@@ -348,7 +348,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "thermo_sum_fp32",
         "fp32 cast",
-        "atoms/driver.py",
+        "atoms/dynamics/driver.py",
         "y = x.reshape(-1).to(prim.reduce_dtype(x.dtype)).contiguous()",
         "y = x.reshape(-1).to(torch.float32).contiguous()",
         ("tests/atoms/test_md_parity.py", "tests/atoms/test_driver.py"),
@@ -536,7 +536,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "edge_shift_cache_ignores_cell",
         "stale cache",
-        "atoms/sharded.py",
+        "atoms/parallel/sharded.py",
         "            and torch.equal(got[2], cell)\n",
         "",
         ("tests/atoms/test_wrap_axes.py",),
@@ -603,7 +603,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "skin_edge_to_model",
         "wrong graph",
-        "atoms/neighbors.py",
+        "atoms/data/neighbors.py",
         "return ~ok | (d < float(cutoff))",
         "return ~ok | (d < float(cutoff) + 0.5)",
         ("tests/atoms/test_mace_oracle.py",),
@@ -611,7 +611,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "radius_graph_stale_halo",
         "stale halo",
-        "atoms/plain_inputs.py",
+        "atoms/parallel/plain_inputs.py",
         'plan.forward_copy(x.detach(), op="halo_radius")',
         "x.new_zeros(nh, 3)",
         ("tests/atoms/test_mace_oracle.py",),
@@ -619,7 +619,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "radius_graph_cache_ignores_crossings",
         "stale cache",
-        "atoms/neighbors.py",
+        "atoms/data/neighbors.py",
         "and torch.equal(last[4], keep)",
         "and last[4].shape == keep.shape",
         ("tests/atoms/test_mace_oracle.py",),
@@ -635,7 +635,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "validate_traces_stack",
         "tracer",
-        "atoms/validate.py",
+        "atoms/parallel/validate.py",
         "        if _stacked(t):",
         "        if False:",
         ("tests/atoms/test_validate.py",),
@@ -652,7 +652,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "halo_rebuild_past_whole_skin",
         "off-by-factor",
-        "atoms/sharded.py",
+        "atoms/parallel/sharded.py",
         "if disp > 0.5 * self.skin or forced:",
         "if disp > self.skin or forced:",
         ("tests/atoms/test_rebuild.py",),
@@ -660,7 +660,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "graph_rebuild_past_whole_skin",
         "off-by-factor",
-        "atoms/graph_storage.py",
+        "atoms/parallel/graph_storage.py",
         "if force or disp > 0.5 * self.skin:",
         "if force or disp > self.skin:",
         ("tests/atoms/test_rebuild.py",),
@@ -668,7 +668,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "graph_replicate_local_flag",
         "unagreed control flow",
-        "atoms/graph_storage.py",
+        "atoms/parallel/graph_storage.py",
         "        if stale:",
         "        if self._stale:",
         ("tests/atoms/test_rebuild.py",),
@@ -676,7 +676,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "owner_rule_self_image_both_ends",
         "double count",
-        "atoms/sharded.py",
+        "atoms/parallel/sharded.py",
         "(id_owned == id_halo) & lex_positive(rel_shift)",
         "(id_owned == id_halo)",
         ("tests/atoms/test_lj_fast.py",),
@@ -684,7 +684,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "owner_rule_self_image_frames_dropped",
         "wrong shift",
-        "atoms/sharded.py",
+        "atoms/parallel/sharded.py",
         "keep[cross] = owner_keeps(ids[io], ids[jh], shift[jh] - shift[io] + m[cross])",
         "keep[cross] = owner_keeps(ids[io], ids[jh], shift[jh] + m[cross])",
         ("tests/atoms/test_lj_fast.py",),
@@ -725,7 +725,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "slab_normal_not_unit",
         "wrong convention",
-        "atoms/cells.py",
+        "atoms/data/cells.py",
         "        length, lo = 1.0, 0.0",
         "        length, lo = 2.0, 0.0",
         ("tests/atoms/test_slab.py",),
@@ -733,7 +733,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "plain_outputs_unchecked",
         "silent wrong answer",
-        "atoms/plain_inputs.py",
+        "atoms/parallel/plain_inputs.py",
         "    _check_per_atom_outputs(dp.module, data, out)",
         "    pass",
         ("tests/atoms/test_plain_outputs.py",),
@@ -758,7 +758,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "owner_rule_parity_not_flipped",
         "dropped term",
-        "atoms/sharded.py",
+        "atoms/parallel/sharded.py",
         "return ((id_owned < id_halo) ^ odd) & (id_owned != id_halo) | (",
         "return ((id_owned < id_halo) | odd) & (id_owned != id_halo) | (",
         ("tests/atoms/test_lj_fast.py",),
@@ -766,7 +766,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "graph_ids_wrong_offset",
         "off-by-one block",
-        "atoms/graph_storage.py",
+        "atoms/parallel/graph_storage.py",
         "return torch.where(ok, (ids + off[rank]) % max(n, 1), ids)",
         "return torch.where(ok, (ids + off[max(rank - 1, 0)]) % max(n, 1), ids)",
         ("tests/atoms/test_graph_storage.py",),
@@ -872,7 +872,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "sanity_halo_position_check_dropped",
         "dropped check",
-        "atoms/sharded.py",
+        "atoms/parallel/sharded.py",
         "return sanity.check_positions(allstats[:, :-1], limit), bool(",
         "return float(allstats[:, 0].max()), bool(",
         ("tests/atoms/test_sanity.py",),
@@ -880,7 +880,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "sanity_graph_position_check_dropped",
         "dropped check",
-        "atoms/graph_storage.py",
+        "atoms/parallel/graph_storage.py",
         "if disp > limit:  # replicated: every rank takes this branch",
         "if disp != disp:",
         ("tests/atoms/test_sanity.py",),
@@ -888,7 +888,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "sanity_temperature_bound_unchecked",
         "dropped check",
-        "atoms/sanity.py",
+        "atoms/dynamics/sanity.py",
         'if row["temperature"] > max_temperature:',
         "if False:",
         ("tests/atoms/test_sanity.py",),
@@ -905,7 +905,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "checkpoint_checksum_not_compared",
         "dropped check",
-        "atoms/provenance.py",
+        "atoms/dynamics/provenance.py",
         'elif state.get("checksum") != payload_checksum(state):',
         "elif False:",
         ("tests/atoms/test_checkpoint_provenance.py",),
@@ -913,7 +913,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "provenance_digest_ignores_values",
         "blind digest",
-        "atoms/provenance.py",
+        "atoms/dynamics/provenance.py",
         "h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())",
         "pass",
         ("tests/atoms/test_checkpoint_provenance.py",),
@@ -921,7 +921,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "restart_potential_compare_skipped",
         "dropped check",
-        "atoms/driver.py",
+        "atoms/dynamics/driver.py",
         "if saved is not None:",
         "if False:",
         ("tests/atoms/test_checkpoint_provenance.py",),

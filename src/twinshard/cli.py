@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     from twinshard.selftest import add_parser as add_selftest_parser
 
     add_selftest_parser(sub)
-    from twinshard.atoms.validate import add_parser as add_validate_parser
+    from twinshard.atoms.parallel.validate import add_parser as add_validate_parser
 
     add_validate_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (JSON on the last stdout line)")

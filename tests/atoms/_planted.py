@@ -18,7 +18,7 @@ import torch
 
 def _no_param_sync(mp: pytest.MonkeyPatch) -> None:
     """Parameter gradients stay per-rank partial sums (the all-reduce is missing)."""
-    from twinshard.atoms import distributed
+    from twinshard.atoms.parallel import distributed
 
     mp.setattr(distributed, "sync_params", lambda params, group=None: list(params))
 
@@ -30,7 +30,7 @@ def _reverse_direction(op: str) -> bool:
 def _halo_reverse_misrouted(mp: pytest.MonkeyPatch) -> None:
     """Inside the exchange: each reverse message's rows are shifted by one, so every halo partial
     sum lands on the wrong owned atom of the right peer."""
-    from twinshard.atoms import halo
+    from twinshard.atoms.parallel import halo
 
     orig = halo._exchange
 
@@ -44,7 +44,7 @@ def _halo_reverse_misrouted(mp: pytest.MonkeyPatch) -> None:
 
 def _halo_reverse_fp32(mp: pytest.MonkeyPatch) -> None:
     """The reverse sum accumulates in float32 (a ``.float()`` in an fp64 path)."""
-    from twinshard.atoms import halo
+    from twinshard.atoms.parallel import halo
 
     prim = types.SimpleNamespace(**vars(halo.prim))
     prim.reduce_dtype = lambda dtype: torch.float32 if dtype.is_floating_point else dtype
@@ -53,7 +53,7 @@ def _halo_reverse_fp32(mp: pytest.MonkeyPatch) -> None:
 
 def _thin_halo(mp: pytest.MonkeyPatch) -> None:
     """The ghost shell is 3% thinner than cutoff + skin."""
-    from twinshard.atoms.halo import HaloPlan
+    from twinshard.atoms.parallel.halo import HaloPlan
 
     orig = HaloPlan.build
 
@@ -66,7 +66,7 @@ def _thin_halo(mp: pytest.MonkeyPatch) -> None:
 
 def _migrate_drop(mp: pytest.MonkeyPatch) -> None:
     """After a migration, rank 1 loses its last atom."""
-    from twinshard.atoms.sharded import ShardedSystem
+    from twinshard.atoms.parallel.sharded import ShardedSystem
 
     orig = ShardedSystem._migrate
 
@@ -80,7 +80,7 @@ def _migrate_drop(mp: pytest.MonkeyPatch) -> None:
 
 def _migrate_duplicate(mp: pytest.MonkeyPatch) -> None:
     """Rank 0 keeps a copy of the first atom it sent away."""
-    from twinshard.atoms.sharded import ShardedSystem
+    from twinshard.atoms.parallel.sharded import ShardedSystem
 
     orig = ShardedSystem._migrate
 
@@ -97,7 +97,7 @@ def _migrate_duplicate(mp: pytest.MonkeyPatch) -> None:
 
 def _langevin_row_keys(mp: pytest.MonkeyPatch) -> None:
     """Langevin noise keyed by the local row instead of the global atom id."""
-    from twinshard.atoms import integrators
+    from twinshard.atoms.dynamics import integrators
 
     def keys(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.arange(ids.shape[0], dtype=torch.int64, device=ids.device)
@@ -108,7 +108,7 @@ def _langevin_row_keys(mp: pytest.MonkeyPatch) -> None:
 
 def _nhc_local_kinetic(mp: pytest.MonkeyPatch) -> None:
     """The Nose-Hoover chain is driven by this rank's kinetic energy, not the all-reduced one."""
-    from twinshard.atoms.integrators import NoseHooverChain, kinetic_energy
+    from twinshard.atoms.dynamics.integrators import NoseHooverChain, kinetic_energy
 
     mp.setattr(NoseHooverChain, "_twice_kinetic", lambda self, v, m: float(2.0 * kinetic_energy(v, m)))
 
@@ -116,7 +116,7 @@ def _nhc_local_kinetic(mp: pytest.MonkeyPatch) -> None:
 def _block_inputs_drops_wrap_shift(mp: pytest.MonkeyPatch) -> None:
     """The dispatch inputs forget the block neighbour list's own lattice shift (wrap axes): edge
     shifts from the rows' frames only, as when every image was a halo row."""
-    from twinshard.atoms.sharded import ShardedSystem
+    from twinshard.atoms.parallel.sharded import ShardedSystem
 
     orig = ShardedSystem.edge_shifts
 

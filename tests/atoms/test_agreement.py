@@ -2,8 +2,8 @@
 
 import torch.distributed as dist
 
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.structures import fcc_argon
+from twinshard.atoms.data.structures import fcc_argon
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.runtime import RankFailure
 from twinshard.testing import run_on_world
 

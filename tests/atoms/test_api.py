@@ -11,7 +11,7 @@ from ase.md.verlet import VelocityVerlet as AseVerlet
 from ase.optimize import BFGS
 
 import twinshard.atoms as ta
-from twinshard.atoms.structures import random_packing
+from twinshard.atoms.data.structures import random_packing
 from twinshard.testing import assert_parity
 
 
@@ -83,7 +83,7 @@ def test_stress_and_virial_share_one_convention():
     res = ta.evaluate(lj, s)
     assert_parity(res.virial, -s.volume * res.stress, what="virial = -V stress (serial)")
     # pair sum: r_ij (x) f_ij with f_ij the force on i from j, r_ij = x_j - x_i (minimum image here)
-    from twinshard.atoms.neighbors import neighbor_list
+    from twinshard.atoms.data.neighbors import neighbor_list
 
     e = neighbor_list(s.positions, lj.cutoff, s.cell, s.pbc)
     r = s.positions[e.senders] + e.shifts - s.positions[e.receivers]

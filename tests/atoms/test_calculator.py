@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from twinshard.atoms.calculator import TwinshardCalculator
-from twinshard.atoms.plain_inputs import evaluate_serial
+from twinshard.atoms.data.structures import lj_mixture, lj_mixture_parameters
+from twinshard.atoms.parallel.plain_inputs import evaluate_serial
 from twinshard.atoms.potentials import LennardJones, MessagePassingPotential, evaluate
 from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
-from twinshard.atoms.structures import lj_mixture, lj_mixture_parameters
 from twinshard.testing import assert_parity, run_on_world
 
 

@@ -13,10 +13,10 @@ import re
 import pytest
 import torch
 
-from twinshard.atoms.driver import MDConfig, md_rank
-from twinshard.atoms.md import load_checkpoint, save_checkpoint
+from twinshard.atoms.dynamics.driver import MDConfig, md_rank
+from twinshard.atoms.dynamics.md import load_checkpoint, save_checkpoint
+from twinshard.atoms.dynamics.provenance import potential_provenance
 from twinshard.atoms.potentials import LennardJones, MessagePassingPotential
-from twinshard.atoms.provenance import potential_provenance
 from twinshard.runtime import RankFailure
 from twinshard.testing import run_on_world
 

@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 from _planted import planted
 
-from twinshard.atoms import structures
-from twinshard.atoms.distributed import DistributedPotential
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials import LennardJones, MessagePassingPotential, evaluate
 from twinshard.atoms.potentials.base import graph_from_system
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
 from twinshard.rng import normal
 from twinshard.runtime import RankFailure
 from twinshard.testing import (

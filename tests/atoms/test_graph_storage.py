@@ -27,17 +27,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms import structures
-from twinshard.atoms.api import run_md
-from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.driver import MDConfig, potential_from_config
-from twinshard.atoms.graph_storage import GraphSharded, OwnedFirst, balanced_counts, graph_inputs
-from twinshard.atoms.md import SerialEngine, VelocityVerlet, maxwell_boltzmann, simulate
-from twinshard.atoms.plain_inputs import evaluate_plain, system_inputs
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.system import System
+from twinshard.atoms.dynamics.api import run_md
+from twinshard.atoms.dynamics.driver import MDConfig, potential_from_config
+from twinshard.atoms.dynamics.md import SerialEngine, VelocityVerlet, maxwell_boltzmann, simulate
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.graph_storage import GraphSharded, OwnedFirst, balanced_counts, graph_inputs
+from twinshard.atoms.parallel.plain_inputs import evaluate_plain, system_inputs
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, mace_native
 from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
 from twinshard.cli import main
 from twinshard.rng import normal
 from twinshard.shard import dispatch as D

@@ -5,10 +5,10 @@ import torch
 import torch.distributed as dist
 from _planted import planted
 
-from twinshard.atoms import structures
-from twinshard.atoms.neighbors import neighbor_list
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.neighbors import neighbor_list
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.comm import CommLedger
 from twinshard.rng import normal
 from twinshard.testing import assert_parity, run_on_world

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from twinshard.atoms.io import StructureReadError, read, read_trajectory, write
-from twinshard.atoms.structures import lj_mixture, triclinic_argon
+from twinshard.atoms.data.io import StructureReadError, read, read_trajectory, write
+from twinshard.atoms.data.structures import lj_mixture, triclinic_argon
 
 
 @pytest.mark.parametrize(

@@ -15,12 +15,12 @@ import torch.distributed as dist
 from _planted import planted
 from test_distributed import SKIN, make_potential, make_system
 
-from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.neighbors import VerletList, half_of, neighbor_list
+from twinshard.atoms.data.neighbors import VerletList, half_of, neighbor_list
+from twinshard.atoms.data.structures import triclinic_argon
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials import LennardJones, evaluate, lj, lj_kernels
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.structures import triclinic_argon
-from twinshard.atoms.system import System
 from twinshard.testing import (
     assert_parity,
     assert_replicated,
@@ -224,7 +224,7 @@ def _rank_fast(name, grid, plant=None):
 
 
 def _rank_fast_both_ends(name, grid):
-    import twinshard.atoms.sharded as sharded_mod
+    import twinshard.atoms.parallel.sharded as sharded_mod
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sharded_mod, "owner_keeps", lambda a, b, s: torch.ones_like(a, dtype=torch.bool))

@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms import structures
-from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.plain_inputs import evaluate_plain, system_inputs
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.plain_inputs import evaluate_plain, system_inputs
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, load_mace, mace_native
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
 from twinshard.testing import (
     assert_parity,
     assert_replicated,

@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 import twinshard.atoms as ta
-from twinshard.atoms import structures
-from twinshard.atoms.io import write
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.io import write
+from twinshard.atoms.data.system import System
 from twinshard.atoms.md_cli import add_md_parser, run_md
-from twinshard.atoms.plain_inputs import evaluate_plain
+from twinshard.atoms.parallel.plain_inputs import evaluate_plain
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, build_scaleshift_mace, mace_native
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
 from twinshard.shard.placements import HaloPadded, HaloState, ShardSpec
 from twinshard.shard.rowwise import StackedRows
 from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
@@ -115,7 +115,7 @@ def test_cli_md_mace_default_model_and_species_error(tmp_path, capsys):
     # the embedded default structure (argon) on the embedded default model: the random MACE is
     # built for its default species and the structure's
     r = run_md(_parse(["--atoms", "32", "--potential", "mace", "--ranks", "2", "--steps", "1", "--json"]))
-    from twinshard.atoms.driver import MDConfig, load_structure
+    from twinshard.atoms.dynamics.driver import MDConfig, load_structure
 
     argon = load_structure(MDConfig(atoms=32, potential="mace"))
     ref = mace_native(build_mace(species=(1, 6, 8, 18, 29)), argon.to_ase())

@@ -23,14 +23,14 @@ import torch.distributed as dist
 from ase import units
 
 import twinshard.atoms as ta
-from twinshard.atoms import structures
-from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.graph_storage import GraphSharded
-from twinshard.atoms.neighbors import VerletList, neighbor_list, within_cutoff
-from twinshard.atoms.plain_inputs import evaluate_plain
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.neighbors import VerletList, neighbor_list, within_cutoff
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.graph_storage import GraphSharded
+from twinshard.atoms.parallel.plain_inputs import evaluate_plain
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, load_mace, mace_calculator, mace_native
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
 from twinshard.testing import (
     assert_parity,
     assert_replicated,
@@ -285,7 +285,7 @@ def test_cli_check_serial_uses_the_model_calculator(model_files, tmp_path, capsy
     import argparse
     import json
 
-    from twinshard.atoms.io import read, write
+    from twinshard.atoms.data.io import read, write
     from twinshard.atoms.md_cli import add_md_parser, run_md
 
     structure = tmp_path / "s.extxyz"

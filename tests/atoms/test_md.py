@@ -4,8 +4,9 @@ import pytest
 import torch
 from ase import units
 
-from twinshard.atoms.io import read_trajectory
-from twinshard.atoms.md import (
+from twinshard.atoms.data.io import read_trajectory
+from twinshard.atoms.data.structures import fcc_argon
+from twinshard.atoms.dynamics.md import (
     Langevin,
     SerialEngine,
     VelocityVerlet,
@@ -13,7 +14,6 @@ from twinshard.atoms.md import (
     simulate,
 )
 from twinshard.atoms.potentials import LennardJones
-from twinshard.atoms.structures import fcc_argon
 from twinshard.testing import assert_parity
 
 

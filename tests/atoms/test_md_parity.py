@@ -7,12 +7,19 @@ import torch
 import torch.distributed as dist
 from _planted import planted
 
-from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.driver import DistributedEngine
-from twinshard.atoms.md import Langevin, SerialEngine, ThermoLog, VelocityVerlet, maxwell_boltzmann, simulate
+from twinshard.atoms.data.structures import random_packing
+from twinshard.atoms.dynamics.driver import DistributedEngine
+from twinshard.atoms.dynamics.md import (
+    Langevin,
+    SerialEngine,
+    ThermoLog,
+    VelocityVerlet,
+    maxwell_boltzmann,
+    simulate,
+)
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials import LennardJones
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.structures import random_packing
 from twinshard.testing import assert_parity, assert_shards_cover, rows_of, run_on_world
 
 CUTOFF, SKIN, STEPS = 5.0, 0.6, 40

@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms import structures
-from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.plain_inputs import evaluate_plain, system_inputs
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.plain_inputs import evaluate_plain, system_inputs
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials import MessagePassingPotential, evaluate
 from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
 from twinshard.rng import normal
 from twinshard.shard import dispatch as D
 from twinshard.shard import registry as R

@@ -5,8 +5,8 @@ import itertools
 import pytest
 import torch
 
-from twinshard.atoms.neighbors import VerletList, neighbor_list
-from twinshard.atoms.structures import triclinic_argon
+from twinshard.atoms.data.neighbors import VerletList, neighbor_list
+from twinshard.atoms.data.structures import triclinic_argon
 
 
 def _brute(pos, cell, pbc, cutoff):

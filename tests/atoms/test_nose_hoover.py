@@ -16,9 +16,9 @@ from _planted import planted
 from ase import units
 
 from twinshard.atoms import run_md
-from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.driver import DistributedEngine
-from twinshard.atoms.md import (
+from twinshard.atoms.data.structures import fcc_argon, random_packing
+from twinshard.atoms.dynamics.driver import DistributedEngine
+from twinshard.atoms.dynamics.md import (
     Langevin,
     NoseHooverChain,
     SerialEngine,
@@ -31,9 +31,9 @@ from twinshard.atoms.md import (
     save_checkpoint,
     simulate,
 )
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials import LennardJones
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.structures import fcc_argon, random_packing
 from twinshard.cli import main
 from twinshard.testing import assert_parity, assert_shards_cover, rows_of, run_on_world
 

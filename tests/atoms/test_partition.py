@@ -13,8 +13,8 @@ import pytest
 import torch
 from vesin import NeighborList
 
-from twinshard.atoms.halo import frame_coordinates, neighbour_ranks, rank_box, select_ghosts
-from twinshard.atoms.partition import (
+from twinshard.atoms.parallel.halo import frame_coordinates, neighbour_ranks, rank_box, select_ghosts
+from twinshard.atoms.parallel.partition import (
     BlockPartition,
     PartitionError,
     SpatialPartition,

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms import structures
-from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.graph_storage import GraphSharded
-from twinshard.atoms.plain_inputs import evaluate_plain
-from twinshard.atoms.sharded import ShardedSystem
+from twinshard.atoms.data import structures
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.graph_storage import GraphSharded
+from twinshard.atoms.parallel.plain_inputs import evaluate_plain
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.testing import assert_parity, run_on_world
 
 
@@ -53,7 +53,7 @@ def make_system():
 
 def test_edge_head_is_right_serially():
     """Serially the edge head is exact: its forces are minus the gradient of its energy."""
-    from twinshard.atoms.plain_inputs import system_inputs
+    from twinshard.atoms.parallel.plain_inputs import system_inputs
 
     system, model = make_system(), EdgeHeadLJ()
     got = evaluate_plain(model, system, compute_stress=False)

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from twinshard.atoms.neighbors import neighbor_list
+from twinshard.atoms.data.neighbors import neighbor_list
+from twinshard.atoms.data.structures import fcc_argon, lj_mixture, lj_mixture_parameters, triclinic_argon
+from twinshard.atoms.data.system import System
 from twinshard.atoms.potentials import (
     Graph,
     LennardJones,
@@ -24,8 +26,6 @@ from twinshard.atoms.potentials import (
     make_potential,
 )
 from twinshard.atoms.potentials.base import energy_forces_stress
-from twinshard.atoms.structures import fcc_argon, lj_mixture, lj_mixture_parameters, triclinic_argon
-from twinshard.atoms.system import System
 from twinshard.testing import assert_parity, assert_shards_cover
 
 FD_H = 1e-4

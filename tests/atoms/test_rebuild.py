@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms import structures
-from twinshard.atoms.graph_storage import GraphSharded
+from twinshard.atoms.data import structures
+from twinshard.atoms.parallel.graph_storage import GraphSharded
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
-from twinshard.atoms.sharded import ShardedSystem
 from twinshard.testing import assert_parity, run_on_world
 
 SKIN = 0.4
@@ -71,7 +71,7 @@ def test_graph_storage_md_across_several_rebuilds():
     """NVE in graph storage at 3 ranks with a small skin over enough steps for several list
     rebuilds of the replicated geometry: positions, velocities and forces equal the serial engine."""
     from twinshard.atoms import SerialEngine, VelocityVerlet, maxwell_boltzmann, run_md, simulate
-    from twinshard.atoms.plain_inputs import evaluate_plain
+    from twinshard.atoms.parallel.plain_inputs import evaluate_plain
 
     system, model, steps = make_system(), _model(), 24
     out = run_md(

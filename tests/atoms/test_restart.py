@@ -17,8 +17,9 @@ import textwrap
 import pytest
 import torch
 
-from twinshard.atoms.driver import MDConfig, md_rank
-from twinshard.atoms.md import (
+from twinshard.atoms.data.structures import random_packing
+from twinshard.atoms.dynamics.driver import MDConfig, md_rank
+from twinshard.atoms.dynamics.md import (
     CHECKPOINT_FORMAT,
     Langevin,
     VelocityVerlet,
@@ -26,7 +27,6 @@ from twinshard.atoms.md import (
     load_checkpoint,
     save_checkpoint,
 )
-from twinshard.atoms.structures import random_packing
 from twinshard.runtime import RankFailure
 from twinshard.testing import assert_parity, run_on_world
 
@@ -160,8 +160,8 @@ def test_checkpoint_holds_the_state_and_loads_weights_only(tmp_path):
 _WRITER = textwrap.dedent(
     """
     import os, sys, time, torch
-    from twinshard.atoms import md
-    from twinshard.atoms.structures import random_packing
+    from twinshard.atoms.dynamics import md
+    from twinshard.atoms.data.structures import random_packing
 
     path, mode = sys.argv[1], sys.argv[2]
     state = md.checkpoint_state(random_packing(400, seed=1), 20, md.VelocityVerlet(2.0), 0.0)
@@ -230,7 +230,7 @@ def test_restart_drops_trajectory_frames_past_the_checkpoint(tmp_path):
 
     import ase.io
 
-    from twinshard.atoms.md import SerialEngine, simulate
+    from twinshard.atoms.dynamics.md import SerialEngine, simulate
     from twinshard.atoms.potentials import LennardJones
 
     pot = LennardJones(cutoff=5.0)

@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 from _planted import planted
 
-from twinshard.atoms import structures
-from twinshard.atoms.distributed import DistributedPotential
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials import LennardJones, evaluate
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
 from twinshard.rng import normal
 from twinshard.runtime import RankFailure
 from twinshard.testing import assert_parity, assert_replicated, assert_shards_cover, rows_of, run_on_world

@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinshard.atoms.cells import complete_cell
-from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.graph_storage import GraphSharded
-from twinshard.atoms.neighbors import neighbor_list
-from twinshard.atoms.partition import PartitionError, SpatialPartition
-from twinshard.atoms.plain_inputs import evaluate_plain
+from twinshard.atoms.data.cells import complete_cell
+from twinshard.atoms.data.neighbors import neighbor_list
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.graph_storage import GraphSharded
+from twinshard.atoms.parallel.partition import PartitionError, SpatialPartition
+from twinshard.atoms.parallel.plain_inputs import evaluate_plain
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, mace_calculator, mace_native
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
 from twinshard.runtime.errors import RankFailure
 from twinshard.testing import (
     assert_parity,

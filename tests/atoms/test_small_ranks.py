@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.graph_storage import GraphSharded
-from twinshard.atoms.plain_inputs import system_inputs
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.graph_storage import GraphSharded
+from twinshard.atoms.parallel.plain_inputs import system_inputs
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, mace_native
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
 from twinshard.rng import normal
 from twinshard.runtime.errors import RankFailure
 from twinshard.runtime.world import format_exception

@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from twinshard.atoms.structures import (
+from twinshard.atoms.data.structures import (
     build,
     fcc_argon,
     lj_mixture,
     random_packing,
     triclinic_argon,
 )
-from twinshard.atoms.system import System, default_masses
+from twinshard.atoms.data.system import System, default_masses
 
 
 def _small(n=5, **kw):

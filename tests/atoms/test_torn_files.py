@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from twinshard.atoms.driver import MDConfig, md_rank
-from twinshard.atoms.md_files import check_writable, repair_thermo, repair_trajectory
+from twinshard.atoms.dynamics.driver import MDConfig, md_rank
+from twinshard.atoms.dynamics.md_files import check_writable, repair_thermo, repair_trajectory
 from twinshard.runtime import RankFailure
 from twinshard.testing import assert_parity, run_on_world
 

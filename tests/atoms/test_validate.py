@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from twinshard.atoms.parallel.validate import TOLERANCES, ValidateConfig, run_validate
 from twinshard.atoms.potentials.mace import build_mace, build_scaleshift_mace
-from twinshard.atoms.validate import TOLERANCES, ValidateConfig, run_validate
 from twinshard.cli import main
 from twinshard.shard import dispatch as D
 from twinshard.shard import registry as R

@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 from _planted import planted
 
-from twinshard.atoms import structures
-from twinshard.atoms.distributed import DistributedPotential
-from twinshard.atoms.partition import SpatialPartition
-from twinshard.atoms.plain_inputs import evaluate_plain
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.distributed import DistributedPotential
+from twinshard.atoms.parallel.partition import SpatialPartition
+from twinshard.atoms.parallel.plain_inputs import evaluate_plain
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials import LennardJones, MessagePassingPotential, evaluate
 from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
 from twinshard.testing import assert_parity, assert_shards_cover, by_id, rows_of, run_on_world
 
 SKIN = 0.5

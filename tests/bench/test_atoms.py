@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from twinshard.atoms.driver import result_keys
+from twinshard.atoms.dynamics.driver import result_keys
 from twinshard.bench.atoms import add_parser
 from twinshard.bench.atoms_overhead import check_agreement
 from twinshard.testing import run_on_world

@@ -25,7 +25,7 @@ def test_short_soak_conserves_ids(capsys):
 
 def _lossy_soak(opts):
     """Planted bug: rank 1 drops one owned atom after its first migration."""
-    from twinshard.atoms import sharded
+    from twinshard.atoms.parallel import sharded
 
     original = sharded.ShardedSystem._migrate
 

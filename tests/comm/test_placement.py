@@ -33,12 +33,12 @@ def _host_is_elsewhere():
 
 
 def _md_steps(plant: bool = False, analytic: bool = True):
-    from twinshard.atoms.distributed import DistributedPotential
-    from twinshard.atoms.driver import DistributedEngine
-    from twinshard.atoms.md import Langevin, maxwell_boltzmann, simulate
+    from twinshard.atoms.data.structures import fcc_argon
+    from twinshard.atoms.dynamics.driver import DistributedEngine
+    from twinshard.atoms.dynamics.md import Langevin, maxwell_boltzmann, simulate
+    from twinshard.atoms.parallel.distributed import DistributedPotential
+    from twinshard.atoms.parallel.sharded import ShardedSystem
     from twinshard.atoms.potentials import LennardJones
-    from twinshard.atoms.sharded import ShardedSystem
-    from twinshard.atoms.structures import fcc_argon
 
     world = get_world()
     system = None
@@ -118,8 +118,8 @@ def _whole_md_rank_and_run_md(tmp):
     steps with a trajectory and a checkpoint, final stress, json arrays, stats gather) with the
     host elsewhere: a payload or potential left off the world's device fails here."""
     import twinshard.atoms as ta
-    from twinshard.atoms import driver
-    from twinshard.atoms.structures import fcc_argon
+    from twinshard.atoms.data.structures import fcc_argon
+    from twinshard.atoms.dynamics import driver
 
     world = get_world()
     system = fcc_argon(3, rattle=0.05, seed=1)  # 108 atoms, built on the host before the check

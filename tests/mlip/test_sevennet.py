@@ -29,13 +29,13 @@ pytest.importorskip("sevenn", reason="sevenn is not installed (it lives in .venv
 
 import torch.distributed as dist  # noqa: E402
 
-from twinshard.atoms import structures  # noqa: E402
-from twinshard.atoms.distributed import DistributedPotential  # noqa: E402
-from twinshard.atoms.graph_storage import GraphSharded  # noqa: E402
-from twinshard.atoms.plain_inputs import evaluate_plain  # noqa: E402
+from twinshard.atoms.data import structures  # noqa: E402
+from twinshard.atoms.data.system import System  # noqa: E402
+from twinshard.atoms.parallel.distributed import DistributedPotential  # noqa: E402
+from twinshard.atoms.parallel.graph_storage import GraphSharded  # noqa: E402
+from twinshard.atoms.parallel.plain_inputs import evaluate_plain  # noqa: E402
+from twinshard.atoms.parallel.sharded import ShardedSystem  # noqa: E402
 from twinshard.atoms.potentials.sevennet import SevenNetAdapter, build_sevennet, sevennet_native  # noqa: E402
-from twinshard.atoms.sharded import ShardedSystem  # noqa: E402
-from twinshard.atoms.system import System  # noqa: E402
 from twinshard.testing import (  # noqa: E402
     assert_parity,
     assert_replicated,

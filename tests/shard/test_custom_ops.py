@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from twinshard.atoms import structures
-from twinshard.atoms.plain_inputs import block_inputs, system_inputs
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.plain_inputs import block_inputs, system_inputs
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.comm.adjoint import adjoint_pair
 from twinshard.comm.ledger import CommLedger
 from twinshard.comm.ops import sync_params

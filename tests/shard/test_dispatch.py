@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms import structures
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.comm.ledger import CommLedger
 from twinshard.shard.dispatch import REGISTRY
 from twinshard.shard.placements import PAD, HaloPadded, HaloState, Owned, ShardSpec

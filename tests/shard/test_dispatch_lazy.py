@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms import structures
-from twinshard.atoms.sharded import ShardedSystem
+from twinshard.atoms.data import structures
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.comm import CommLedger
 from twinshard.comm.adjoint import adjoint_pair
 from twinshard.shard import dispatch as D

@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms import structures
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
+from twinshard.atoms.data import structures
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.shard.dispatch import REGISTRY, plain_rows
 from twinshard.shard.placements import HaloPadded, HaloState, Owned, ShardSpec
 from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local

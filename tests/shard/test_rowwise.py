@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms import structures
-from twinshard.atoms.sharded import ShardedSystem
+from twinshard.atoms.data import structures
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.shard.placements import HaloPadded, HaloState, Owned, ShardSpec
 from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local
 from twinshard.testing import run_on_world

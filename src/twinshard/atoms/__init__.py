@@ -13,15 +13,17 @@ The public names, importable from ``twinshard.atoms``:
 - dynamics: :func:`run_md` (one call, local ranks or torchrun), :class:`VelocityVerlet`,
   :class:`Langevin`, :func:`maxwell_boltzmann`, :func:`simulate`, :class:`SerialEngine`,
   :class:`ThermoLog`, :func:`save_checkpoint`, :func:`load_checkpoint`; :class:`Diverged`
-  (the error of a run that left physics: :mod:`twinshard.atoms.sanity`);
+  (the error of a run that left physics: :mod:`twinshard.atoms.dynamics.sanity`);
 - ASE: :class:`TwinshardCalculator` (:class:`NonFiniteResults` when the potential returns NaN/inf).
 """
 
-from twinshard.atoms.api import MDResult, run_md
+from twinshard._moved import alias as _alias
 from twinshard.atoms.calculator import NonFiniteResults, TwinshardCalculator, evaluate_distributed
-from twinshard.atoms.distributed import DistributedPotential, DistributedResults
-from twinshard.atoms.io import StructureReadError, read, read_trajectory, write
-from twinshard.atoms.md import (
+from twinshard.atoms.data.io import StructureReadError, read, read_trajectory, write
+from twinshard.atoms.data.structures import fcc_argon, lj_mixture, random_packing, triclinic_argon
+from twinshard.atoms.data.system import System
+from twinshard.atoms.dynamics.api import MDResult, run_md
+from twinshard.atoms.dynamics.md import (
     Langevin,
     SerialEngine,
     ThermoLog,
@@ -31,6 +33,9 @@ from twinshard.atoms.md import (
     save_checkpoint,
     simulate,
 )
+from twinshard.atoms.dynamics.sanity import Diverged
+from twinshard.atoms.parallel.distributed import DistributedPotential, DistributedResults
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials import (
     Graph,
     LennardJones,
@@ -40,10 +45,6 @@ from twinshard.atoms.potentials import (
     evaluate,
     make_potential,
 )
-from twinshard.atoms.sanity import Diverged
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.structures import fcc_argon, lj_mixture, random_packing, triclinic_argon
-from twinshard.atoms.system import System
 
 __all__ = [
     "Diverged",
@@ -80,3 +81,30 @@ __all__ = [
     "triclinic_argon",
     "write",
 ]
+
+# Old module paths (``twinshard.atoms.md``, ``twinshard.atoms.sharded``, ...) for one release: the
+# modules moved into data/, parallel/ and dynamics/.
+_alias(
+    __name__,
+    {
+        m: f"twinshard.atoms.{group}.{m}"
+        for group, modules in (
+            ("data", ("system", "io", "structures", "cells", "neighbors")),
+            (
+                "parallel",
+                (
+                    "partition",
+                    "halo",
+                    "sharded",
+                    "graph_storage",
+                    "graph_batch",
+                    "distributed",
+                    "plain_inputs",
+                    "validate",
+                ),
+            ),
+            ("dynamics", ("integrators", "md", "md_files", "provenance", "sanity", "driver", "api")),
+        )
+        for m in modules
+    },
+)

@@ -9,10 +9,10 @@ potential contract (:mod:`twinshard.atoms.potentials.base`):
   ``distributed=True``): every rank of the world calls the calculator on the
   same ``ase.Atoms`` (as an ASE optimiser or MD loop replicated on every rank
   does); the system is scattered from rank ``src`` with
-  :class:`~twinshard.atoms.sharded.ShardedSystem` (``storage="halo"``, spatial blocks with
-  halo atoms) or :class:`~twinshard.atoms.graph_storage.GraphSharded` (``storage="graph"``,
+  :class:`~twinshard.atoms.parallel.sharded.ShardedSystem` (``storage="halo"``, spatial blocks with
+  halo atoms) or :class:`~twinshard.atoms.parallel.graph_storage.GraphSharded` (``storage="graph"``,
   atoms split by index, geometry replicated: plain-PyTorch models only), evaluated with
-  :class:`~twinshard.atoms.distributed.DistributedPotential`, and energy,
+  :class:`~twinshard.atoms.parallel.distributed.DistributedPotential`, and energy,
   per-atom energies, forces and stress come back replicated on every rank.
 
 Distributed collectives per calculation: those of ``ShardedSystem.scatter``
@@ -34,10 +34,10 @@ import torch
 from ase.calculators.calculator import Calculator, CalculatorError, all_changes
 from torch import nn
 
-from twinshard.atoms.plain_inputs import evaluate_serial
+from twinshard.atoms.data.system import System
+from twinshard.atoms.dynamics.sanity import nonfinite_rows
+from twinshard.atoms.parallel.plain_inputs import evaluate_serial
 from twinshard.atoms.potentials.base import Results
-from twinshard.atoms.sanity import nonfinite_rows
-from twinshard.atoms.system import System
 
 __all__ = ["NonFiniteResults", "TwinshardCalculator", "evaluate_distributed"]
 
@@ -81,14 +81,14 @@ def evaluate_distributed(
     ``per_atom`` and ``forces`` rows follow the atoms sorted by global id (for a
     system built with default ids that is the original order).
     """
-    from twinshard.atoms.distributed import DistributedPotential
-    from twinshard.atoms.sharded import ShardedSystem
+    from twinshard.atoms.parallel.distributed import DistributedPotential
+    from twinshard.atoms.parallel.sharded import ShardedSystem
     from twinshard.comm import primitives as prim
 
     if storage not in ("halo", "graph"):  # a replicated option: every rank raises
         raise ValueError(f"storage must be 'halo' or 'graph', got {storage!r}")
     if storage == "graph":
-        from twinshard.atoms.graph_storage import GraphSharded
+        from twinshard.atoms.parallel.graph_storage import GraphSharded
 
         sharded: Any = GraphSharded.scatter(
             system, src, cutoff=float(potential.cutoff), skin=skin, group=group
@@ -97,7 +97,7 @@ def evaluate_distributed(
         sharded = ShardedSystem.scatter(
             system, src, cutoff=float(potential.cutoff), skin=skin, group=group, partition=partition
         )
-    from twinshard.atoms.plain_inputs import as_potential, potential_mode
+    from twinshard.atoms.parallel.plain_inputs import as_potential, potential_mode
 
     potential = as_potential(potential)  # a bare MACE module: behind MaceAdapter (dispatch mode)
     res = DistributedPotential(
@@ -118,7 +118,7 @@ class TwinshardCalculator(Calculator):
     Args:
         potential: a module following the potential contract (``LennardJones``,
             ``MessagePassingPotential``, or your own), or a plain dict-contract model
-            (:mod:`twinshard.atoms.plain_inputs`): a mace-torch ``MACE`` / ``ScaleShiftMACE``
+            (:mod:`twinshard.atoms.parallel.plain_inputs`): a mace-torch ``MACE`` / ``ScaleShiftMACE``
             module (wrapped in ``MaceAdapter``; distributed through the ShardTensor dispatch).
         distributed: ``None`` = distributed iff a twinshard world of more than
             one rank is initialised; ``True`` requires a world.
@@ -143,7 +143,7 @@ class TwinshardCalculator(Calculator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        from twinshard.atoms.plain_inputs import as_potential
+        from twinshard.atoms.parallel.plain_inputs import as_potential
 
         potential = as_potential(potential)  # a bare MACE module: behind MaceAdapter
         if not hasattr(potential, "cutoff"):

@@ -1,7 +1,7 @@
 """The particles section of ``twinshard demo``: short distributed MD runs against serial.
 
 :func:`demo_rows` is called on every rank of the demo world (4 ranks). Each
-row runs :func:`twinshard.atoms.driver.md_rank` with ``check_serial`` on a
+row runs :func:`twinshard.atoms.dynamics.driver.md_rank` with ``check_serial`` on a
 small periodic liquid and reports the worst difference from the serial twin;
 the rank-0 figures are broadcast so every rank returns the same rows.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from twinshard.atoms.driver import MDConfig, md_rank
+from twinshard.atoms.dynamics.driver import MDConfig, md_rank
 
 __all__ = ["demo_rows"]
 

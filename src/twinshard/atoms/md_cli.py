@@ -1,5 +1,5 @@
 """``twinshard md`` on the command line: its parser, and the run in the current world or on
-``--ranks`` local ranks (:func:`twinshard.atoms.driver.md_rank` on every rank; rank 0 prints
+``--ranks`` local ranks (:func:`twinshard.atoms.dynamics.driver.md_rank` on every rank; rank 0 prints
 the summary, or the JSON line with ``--json``)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import json
 import os
 from typing import Any
 
-from twinshard.atoms.driver import (
+from twinshard.atoms.dynamics.driver import (
     DEFAULT_ATOMS,
     RESULT_KEYS,
     MDConfig,
     md_rank,
 )
-from twinshard.atoms.sanity import MAX_FORCE, MAX_TEMPERATURE
+from twinshard.atoms.dynamics.sanity import MAX_FORCE, MAX_TEMPERATURE
 
 __all__ = ["add_md_parser", "config_from_args", "run_md"]
 

@@ -1,7 +1,7 @@
 """``twinshard bench atoms``: distributed MD with the message-passing potential at P = 1, 2, 4.
 
 For each rank count P the benchmark runs ``twinshard md`` (rank function
-:func:`twinshard.atoms.driver.md_rank`) on the same system — by default fcc
+:func:`twinshard.atoms.dynamics.driver.md_rank`) on the same system — by default fcc
 argon with at least 32,768 atoms and the message-passing potential — with
 ``--check-serial``; the serial twin runs once and is reused for every P. The
 last stdout line is one JSON object whose ``runs`` list holds, per P, an
@@ -50,7 +50,7 @@ import os
 import tempfile
 from typing import Any
 
-from twinshard.atoms.driver import MDConfig, md_rank
+from twinshard.atoms.dynamics.driver import MDConfig, md_rank
 from twinshard.bench.atoms_eval import _ranks, bench_system, mace_species, run_evaluation, write_structure
 from twinshard.runtime import get_world, in_torchrun, reports, run_ranks
 

@@ -39,8 +39,8 @@ def bench_system(opts: dict[str, Any], nranks: int, species: list[int] | None = 
     (MACE: the model's atomic numbers) the atoms get those species in a seeded random order."""
     import torch
 
-    from twinshard.atoms.structures import fcc_argon
-    from twinshard.atoms.system import System
+    from twinshard.atoms.data.structures import fcc_argon
+    from twinshard.atoms.data.system import System
 
     n = int(opts["atoms"]) * (nranks if opts.get("weak") else 1)
     s = fcc_argon(n_atoms=n, rattle=0.05, seed=int(opts["seed"]))
@@ -74,7 +74,7 @@ def mace_species(path: str | None) -> list[int]:
 
 
 def write_structure(path: str, system: Any) -> None:
-    from twinshard.atoms.io import write
+    from twinshard.atoms.data.io import write
 
     write(path, system)
 
@@ -109,8 +109,8 @@ def serial_eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
     peak and resident peak of one evaluation, and the results (the parity reference)."""
     import time
 
-    from twinshard.atoms.neighbors import VerletList
-    from twinshard.atoms.plain_inputs import evaluate_serial, is_plain
+    from twinshard.atoms.data.neighbors import VerletList
+    from twinshard.atoms.parallel.plain_inputs import evaluate_serial, is_plain
     from twinshard.atoms.potentials import evaluate, has_analytic
     from twinshard.memory import RssWindow, peak_memory_during
 
@@ -166,10 +166,10 @@ def eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from twinshard.atoms.distributed import DistributedPotential
-    from twinshard.atoms.driver import ghost_shell_estimate
-    from twinshard.atoms.plain_inputs import potential_mode
-    from twinshard.atoms.sharded import ShardedSystem
+    from twinshard.atoms.dynamics.driver import ghost_shell_estimate
+    from twinshard.atoms.parallel.distributed import DistributedPotential
+    from twinshard.atoms.parallel.plain_inputs import potential_mode
+    from twinshard.atoms.parallel.sharded import ShardedSystem
     from twinshard.comm import primitives as prim
     from twinshard.memory import RssWindow, peak_memory_during
     from twinshard.runtime import require_world

@@ -10,10 +10,10 @@ drift of the machine's load spreads over all legs):
   PyTorch, no twinshard call) unmodified through ``DistributedPotential(mode="dispatch")``, with
   the hooks model's ``state_dict`` loaded strict (same names, same weights);
 - ``graph``: the same plain model through graph-parallel storage
-  (:class:`~twinshard.atoms.graph_storage.GraphSharded`, ``graph_compute``): the summary's
+  (:class:`~twinshard.atoms.parallel.graph_storage.GraphSharded`, ``graph_compute``): the summary's
   ``graph_over_dispatch_P{P}`` is graph storage's time over halo storage's;
 - at P = 1 only, ``plain``: the plain model on plain tensors
-  (:func:`~twinshard.atoms.plain_inputs.evaluate_plain`: no ShardTensor, no halo, no
+  (:func:`~twinshard.atoms.parallel.plain_inputs.evaluate_plain`: no ShardTensor, no halo, no
   communication), and ``serial``: the hooks model through the serial evaluator
   (:func:`~twinshard.atoms.potentials.evaluate`, the identity refresh).
 
@@ -82,7 +82,7 @@ def _species(opts: dict[str, Any], plain: Any) -> list[int] | None:
 
 def reference_rank(opts: dict[str, Any]) -> dict[str, Any]:
     """One process: the serial plain model (the parity reference)."""
-    from twinshard.atoms.plain_inputs import evaluate_plain
+    from twinshard.atoms.parallel.plain_inputs import evaluate_plain
 
     _, plain = _models(opts)
     system = bench_system(opts, 1, _species(opts, plain))
@@ -101,13 +101,13 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from twinshard.atoms.distributed import DistributedPotential
-    from twinshard.atoms.driver import ghost_shell_estimate
-    from twinshard.atoms.graph_storage import GraphSharded, graph_compute
-    from twinshard.atoms.neighbors import VerletList
-    from twinshard.atoms.plain_inputs import evaluate_plain
+    from twinshard.atoms.data.neighbors import VerletList
+    from twinshard.atoms.dynamics.driver import ghost_shell_estimate
+    from twinshard.atoms.parallel.distributed import DistributedPotential
+    from twinshard.atoms.parallel.graph_storage import GraphSharded, graph_compute
+    from twinshard.atoms.parallel.plain_inputs import evaluate_plain
+    from twinshard.atoms.parallel.sharded import ShardedSystem
     from twinshard.atoms.potentials import evaluate
-    from twinshard.atoms.sharded import ShardedSystem
     from twinshard.comm import primitives as prim
     from twinshard.memory import peak_memory_during
     from twinshard.runtime import require_world

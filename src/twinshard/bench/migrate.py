@@ -55,12 +55,12 @@ def soak_rank(opts: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from twinshard.atoms.distributed import DistributedPotential
-    from twinshard.atoms.driver import DistributedEngine
-    from twinshard.atoms.md import Langevin, maxwell_boltzmann, simulate
+    from twinshard.atoms.data.structures import random_packing
+    from twinshard.atoms.dynamics.driver import DistributedEngine
+    from twinshard.atoms.dynamics.md import Langevin, maxwell_boltzmann, simulate
+    from twinshard.atoms.parallel.distributed import DistributedPotential
+    from twinshard.atoms.parallel.sharded import ShardedSystem
     from twinshard.atoms.potentials import LennardJones
-    from twinshard.atoms.sharded import ShardedSystem
-    from twinshard.atoms.structures import random_packing
     from twinshard.comm import primitives as prim
     from twinshard.runtime import require_world
 

@@ -64,7 +64,7 @@ PAD = -1
 
 @runtime_checkable
 class HaloExchange(Protocol):
-    """What the halo handlers need of a halo plan (``twinshard.atoms.halo.HaloPlan`` fits).
+    """What the halo handlers need of a halo plan (``twinshard.atoms.parallel.halo.HaloPlan`` fits).
 
     ``forward(owned [n_owned, ...]) -> halo [n_halo, ...]`` copies owners' rows into the
     halo; ``reverse(halo [n_halo, ...]) -> owned [n_owned, ...]`` sums halo rows onto their

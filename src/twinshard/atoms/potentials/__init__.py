@@ -34,7 +34,7 @@ def make_potential(name: str, species: list[int] | None = None, **kwargs: object
     """``"lj"`` or ``"mpnn"`` by name; ``species`` sizes the MPNN embedding / checks LJ."""
     if name == "lj":
         if species is not None and set(species) - {18}:
-            from twinshard.atoms.structures import lj_mixture_parameters
+            from twinshard.atoms.data.structures import lj_mixture_parameters
 
             params = lj_mixture_parameters()
             unknown = sorted(set(species) - set(params))

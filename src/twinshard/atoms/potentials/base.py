@@ -45,8 +45,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from twinshard.atoms.neighbors import Edges, VerletList, half_of, neighbor_list
-from twinshard.atoms.system import System
+from twinshard.atoms.data.neighbors import Edges, VerletList, half_of, neighbor_list
+from twinshard.atoms.data.system import System
 
 __all__ = [
     "Graph",

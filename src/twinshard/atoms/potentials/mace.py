@@ -8,7 +8,7 @@ model saved by mace-torch (``torch.save(model, path)``) the way mace's own calcu
 (``torch.load(path, map_location=device)``, the whole module).
 
 :class:`MaceAdapter` puts a MACE module behind twinshard's plain-model contract
-(:mod:`twinshard.atoms.plain_inputs`: ``data = {positions, numbers, senders, receivers,
+(:mod:`twinshard.atoms.parallel.plain_inputs`: ``data = {positions, numbers, senders, receivers,
 shifts, batch, cell}`` in, ``node_energy``, ``energy``, ``forces``, ``virial``, ``stress``
 out) by building mace's own data dict (``positions``, ``node_attrs`` one-hot over its
 ``atomic_numbers``, ``edge_index = [senders, receivers]`` (mace's sender/receiver), ``shifts``

@@ -9,7 +9,7 @@ with random weights (no download). SevenNet runs float32 only: its ``OnehotEmbed
 one-hot features with ``.float()`` and its calculator casts every input to float32.
 
 :class:`SevenNetAdapter` puts a SevenNet ``AtomGraphSequential`` behind twinshard's plain-model
-contract (:mod:`twinshard.atoms.plain_inputs`): sevenn's own data dict (``atomic_numbers``,
+contract (:mod:`twinshard.atoms.parallel.plain_inputs`): sevenn's own data dict (``atomic_numbers``,
 ``pos``, ``edge_index = [receivers, senders]``, ``cell``, ``pbc_shift`` (integer lattice
 shifts), ``cell_volume``, ``batch``) in, ``node_energy``, ``energy``, ``forces``, ``virial``,
 ``stress`` out. sevenn's sign convention is twinshard's: its edge ``i -> j`` carries the message

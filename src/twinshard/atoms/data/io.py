@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from twinshard.atoms.system import System
+from twinshard.atoms.data.system import System
 
 __all__ = ["StructureReadError", "read", "read_trajectory", "write"]
 

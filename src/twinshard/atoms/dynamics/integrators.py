@@ -7,7 +7,7 @@ rank's owned atoms, and the arithmetic per atom is identical. Random draws come 
 :mod:`twinshard.rng` keyed by ``(seed, stream, global atom id, step, component)``, so a
 distributed trajectory equals the serial one exactly, for any rank count and any migration
 history. Units are ASE's; ``dt`` in fs, friction in 1/fs, temperature in K. The time loop that
-drives them is :func:`twinshard.atoms.md.simulate`, which first calls ``bind(engine)``: an
+drives them is :func:`twinshard.atoms.dynamics.md.simulate`, which first calls ``bind(engine)``: an
 integrator that needs a global value (the Nose-Hoover chain: the total kinetic energy) takes the
 engine's ``reduce_sum`` and ``rank`` there. An integrator's ``state()`` holds its settings (a
 restart must match them) and, named in ``dynamic``, the variables it carries from step to step
@@ -80,7 +80,7 @@ class VelocityVerlet:
         self.dt = float(dt) * units.fs
 
     def bind(self, engine: Any) -> None:
-        """Called by :func:`~twinshard.atoms.md.simulate` before the first step (nothing here)."""
+        """Called by :func:`~twinshard.atoms.dynamics.md.simulate` before the first step (nothing here)."""
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore the ``dynamic`` entries of a :meth:`state` (nothing here)."""

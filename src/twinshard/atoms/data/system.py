@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from twinshard.atoms.cells import check_cell, complete_cell, is_singular
+from twinshard.atoms.data.cells import check_cell, complete_cell, is_singular
 
 __all__ = ["System", "default_masses"]
 
@@ -183,7 +183,7 @@ class System:
     @property
     def volume(self) -> float:
         """Cell volume (|det cell|); 0 for an open box without a cell, or a slab / wire whose
-        non-periodic rows are zero (no 3-D volume: no stress, see :mod:`twinshard.atoms.cells`)."""
+        non-periodic rows are zero (no 3-D volume: no stress, see :mod:`twinshard.atoms.data.cells`)."""
         return abs(float(torch.linalg.det(self.cell)))
 
     def kinetic_energy(self) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Graph-parallel storage: atoms split by index into balanced blocks, geometry replicated, no halo.
 
 The second storage strategy of the particle vertical (the first, halo decomposition, is
-:mod:`twinshard.atoms.sharded`), for plain-PyTorch models (the dict contract of
-:mod:`twinshard.atoms.plain_inputs`) run unmodified through the ShardTensor dispatch.
+:mod:`twinshard.atoms.parallel.sharded`), for plain-PyTorch models (the dict contract of
+:mod:`twinshard.atoms.parallel.plain_inputs`) run unmodified through the ShardTensor dispatch.
 
 Layout (:class:`GraphSharded`, built by the collective :meth:`GraphSharded.scatter`):
 
@@ -42,7 +42,7 @@ reduction). Stress: the model's displacement ``[S, 3, 3]`` is a plain replicated
 gradient is a per-rank partial sum, all-reduced once by the ``replicated_grads`` handler.
 
 The batch helpers (validation, header, the split back into Systems) are in
-:mod:`twinshard.atoms.graph_batch`.
+:mod:`twinshard.atoms.parallel.graph_batch`.
 
 Memory per rank: positions ``N x 3`` (replicated), owned per-atom rows ``N / P``, the edges of owned
 receivers and the autograd graph of those edges and rows, plus the gathered sender rows per layer.
@@ -57,8 +57,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms import sanity
-from twinshard.atoms.graph_batch import (
+from twinshard.atoms.data.neighbors import RadiusGraph, neighbor_list
+from twinshard.atoms.data.system import System
+from twinshard.atoms.dynamics import sanity
+from twinshard.atoms.parallel.graph_batch import (
     FIELDS,
     as_batch,
     balanced_counts,
@@ -67,11 +69,9 @@ from twinshard.atoms.graph_batch import (
     fingerprint,
     split_systems,
 )
-from twinshard.atoms.neighbors import RadiusGraph, neighbor_list
-from twinshard.atoms.plain_inputs import _call, system_values
+from twinshard.atoms.parallel.plain_inputs import _call, system_values
+from twinshard.atoms.parallel.sharded import _a2a
 from twinshard.atoms.potentials.base import Results
-from twinshard.atoms.sharded import _a2a
-from twinshard.atoms.system import System
 from twinshard.comm import primitives as prim
 from twinshard.runtime import agree_step, require_world
 from twinshard.shard.placements import Owned, ShardSpec
@@ -325,7 +325,7 @@ class GraphSharded:
         """Collective: re-replicate the positions (one all_gather of the owned rows) and rebuild
         the neighbour list if any atom moved more than ``skin / 2`` since the last build (the
         decision is taken from replicated data: the same on every rank). Raises
-        :class:`~twinshard.atoms.sanity.Diverged` (a ValueError) on every rank, before the neighbour
+        :class:`~twinshard.atoms.dynamics.sanity.Diverged` (a ValueError) on every rank, before the neighbour
         list, if a position is NaN/inf or jumped farther than ``cutoff + skin`` since the last build
         (then, on that agreed path only, one all_gather of the owned ids names the atoms). Returns
         whether it rebuilt. Memory: the ``N x 3`` replicated positions and the owned receivers'
@@ -383,7 +383,7 @@ class GraphSharded:
 
     def gather(self, dst: int = 0) -> System | None:
         """Collective: a single system on ``dst``, atoms ordered by id (as
-        :meth:`ShardedSystem.gather <twinshard.atoms.sharded.ShardedSystem.gather>`)."""
+        :meth:`ShardedSystem.gather <twinshard.atoms.parallel.sharded.ShardedSystem.gather>`)."""
         if self.n_systems != 1:
             raise ValueError("gather: a batch of several systems; use gather_systems")
         got = self.gather_systems(dst)

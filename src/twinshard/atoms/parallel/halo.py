@@ -278,8 +278,8 @@ class HaloPlan:
         Args:
             frac: ``[n_owned, 3]`` unwrapped fractional coordinates of the owned atoms.
             ids: ``[n_owned]`` their global ids.
-            partition: a :class:`~twinshard.atoms.partition.SpatialPartition` or
-                :class:`~twinshard.atoms.partition.BlockPartition` (same on every rank).
+            partition: a :class:`~twinshard.atoms.parallel.partition.SpatialPartition` or
+                :class:`~twinshard.atoms.parallel.partition.BlockPartition` (same on every rank).
             ghost_width: defaults to ``partition.ghost_width`` (cutoff + skin).
             group: the world (``None``) or a 1-D group whose ranks are the partition's.
 

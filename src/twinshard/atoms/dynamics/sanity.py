@@ -7,7 +7,7 @@ One set of checks for every engine and storage (serial, halo, graph):
   moved farther than ``cutoff + skin`` since the last neighbour-list build, is a diverged step.
   The list is rebuilt as soon as an atom moved ``skin / 2``, so such an atom crossed more than
   its whole interaction range in one step (thermal MD moves atoms ~0.01-0.1 A per step);
-- on every logged thermo step (:func:`twinshard.atoms.md.simulate`): finite energies, the
+- on every logged thermo step (:func:`twinshard.atoms.dynamics.md.simulate`): finite energies, the
   temperature at most ``max_temperature`` and the largest force at most ``max_force``;
 - a single evaluation (the ASE calculator): finite energy, forces and stress.
 
@@ -41,7 +41,7 @@ _STEP_FIX = "use a smaller time step (--dt) or check the potential and the start
 
 class Diverged(ValueError):
     """The run left physics: raised with the same message on every rank. ``step`` is filled in
-    by :func:`~twinshard.atoms.md.simulate` (:meth:`at`)."""
+    by :func:`~twinshard.atoms.dynamics.md.simulate` (:meth:`at`)."""
 
     def __init__(self, detail: str, fix: str = _STEP_FIX, step: int | None = None) -> None:
         super().__init__(detail, fix, step)  # args rebuild it when a worker pickles it

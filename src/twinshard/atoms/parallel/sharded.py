@@ -1,6 +1,6 @@
 """A system sharded over ranks: owned atoms per rank, halos, migration.
 
-:class:`ShardedSystem` is the distributed twin of :class:`~twinshard.atoms.system.System`:
+:class:`ShardedSystem` is the distributed twin of :class:`~twinshard.atoms.data.system.System`:
 each rank holds only the atoms it owns (``positions``, ``velocities``, ``masses``,
 ``numbers``, ``ids`` and every extra per-atom array, all ``Shard(0)`` with uneven
 counts) plus the replicated per-system values (``cell``, ``pbc``, ``info``).
@@ -44,12 +44,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms import sanity
-from twinshard.atoms.halo import HaloPlan
-from twinshard.atoms.neighbors import Edges, RadiusGraph, lex_positive, neighbor_list
-from twinshard.atoms.partition import BlockPartition, SpatialPartition
+from twinshard.atoms.data.neighbors import Edges, RadiusGraph, lex_positive, neighbor_list
+from twinshard.atoms.data.system import System
+from twinshard.atoms.dynamics import sanity
+from twinshard.atoms.parallel.halo import HaloPlan
+from twinshard.atoms.parallel.partition import BlockPartition, SpatialPartition
 from twinshard.atoms.potentials.base import Graph
-from twinshard.atoms.system import System
 from twinshard.comm import primitives as prim
 from twinshard.runtime import agree_step, require_world
 
@@ -63,7 +63,7 @@ def _as_system(source: Any, dtype: torch.dtype | None) -> System:
     if isinstance(source, System):
         system = source
     elif isinstance(source, (str, os.PathLike)):
-        from twinshard.atoms.io import read
+        from twinshard.atoms.data.io import read
 
         system = read(source)
     elif hasattr(source, "get_positions") and hasattr(source, "get_atomic_numbers"):
@@ -89,7 +89,7 @@ class ShardedSystem:
     per-atom fields). Replicated: ``cell``, ``pbc``, ``info``, ``n_total``,
     ``partition``, ``cutoff``, ``skin``, ``hysteresis``, ``migrations`` (atoms
     moved between ranks so far), ``builds`` (plan/neighbour-list builds).
-    Per rank: ``plan`` (:class:`~twinshard.atoms.halo.HaloPlan`), ``edges`` (on
+    Per rank: ``plan`` (:class:`~twinshard.atoms.parallel.halo.HaloPlan`), ``edges`` (on
     the padded block, owned receivers only, built with ``cutoff + skin``; periodic
     along the wrap axes, where edges carry lattice shifts, open elsewhere),
     ``half_edges`` (each pair once, for analytic pair potentials: see
@@ -357,8 +357,8 @@ class ShardedSystem:
     def _agree_update(self, force: bool) -> tuple[float, bool]:
         """Collective (one all_gather of each rank's position report and rebuild request): the
         largest displacement over all ranks and whether any rank asks for a rebuild; raises
-        :class:`~twinshard.atoms.sanity.Diverged` on every rank if any position is non-finite or
-        jumped beyond ``cutoff + skin`` (:func:`~twinshard.atoms.sanity.check_positions`)."""
+        :class:`~twinshard.atoms.dynamics.sanity.Diverged` on every rank if any position is non-finite or
+        jumped beyond ``cutoff + skin`` (:func:`~twinshard.atoms.dynamics.sanity.check_positions`)."""
         assert self._ref is not None
         limit = self.cutoff + self.skin
         row = sanity.position_report(self.positions, self._ref, self.ids, limit)
@@ -372,7 +372,7 @@ class ShardedSystem:
         Rebuilds (migration + halo plan + neighbour list) when ``force`` on any
         rank or when any atom on any rank moved more than ``skin / 2`` since the
         last build; every rank takes the same decision from one all_gather. Returns whether
-        it rebuilt. Raises :class:`~twinshard.atoms.sanity.Diverged` (a ValueError) on every rank,
+        it rebuilt. Raises :class:`~twinshard.atoms.dynamics.sanity.Diverged` (a ValueError) on every rank,
         before migration and the neighbour list, if any position is NaN/inf or jumped farther
         than ``cutoff + skin`` since the last build (a diverged MD step).
 

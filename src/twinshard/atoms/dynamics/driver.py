@@ -3,17 +3,17 @@ line, parser and local-rank launch: :mod:`twinshard.atoms.md_cli`).
 
 Distributed, every rank runs :func:`md_rank`: rank 0 loads the structure (an
 embedded default or a file, inside a fail-together step), the system is
-scattered with :class:`~twinshard.atoms.sharded.ShardedSystem`, forces come
-from :class:`~twinshard.atoms.distributed.DistributedPotential`, and the
-integrators of :mod:`twinshard.atoms.md` step each rank's owned atoms;
+scattered with :class:`~twinshard.atoms.parallel.sharded.ShardedSystem`, forces come
+from :class:`~twinshard.atoms.parallel.distributed.DistributedPotential`, and the
+integrators of :mod:`twinshard.atoms.dynamics.md` step each rank's owned atoms;
 ``ShardedSystem.update`` migrates atoms and rebuilds halos when any atom moved
 more than half the skin. Langevin noise is keyed by global atom id, so the
 trajectory equals the serial one for any rank count. ``--storage graph`` uses
-:class:`~twinshard.atoms.graph_storage.GraphSharded` instead (plain models: atoms
+:class:`~twinshard.atoms.parallel.graph_storage.GraphSharded` instead (plain models: atoms
 split by index, geometry replicated and re-replicated by one all_gather per step).
 
 ``--check-serial`` makes rank 0 also run the serial potential and trajectory
-(:class:`~twinshard.atoms.md.SerialEngine`, same integrator) from the same
+(:class:`~twinshard.atoms.dynamics.md.SerialEngine`, same integrator) from the same
 start and report the differences.
 
 Collectives per MD step (distributed): the potential's (halo forward exchange
@@ -23,8 +23,8 @@ largest displacement and the position sanity report (plus, on a rebuild, migrati
 all_to_alls and the halo plan; graph storage: the all_gather of the owned positions
 instead), and one thermo all_reduce (kinetic energy, bath heat and each rank's largest
 force) on logged steps; ``--thermostat nose-hoover`` adds two all_reduces of one scalar (the
-global kinetic energy that drives the chain, :class:`~twinshard.atoms.integrators.NoseHooverChain`)
-per step. The sanity checks (:mod:`twinshard.atoms.sanity`: non-finite or
+global kinetic energy that drives the chain, :class:`~twinshard.atoms.dynamics.integrators.NoseHooverChain`)
+per step. The sanity checks (:mod:`twinshard.atoms.dynamics.sanity`: non-finite or
 runaway positions every step; non-finite energies or forces, ``--max-temperature`` and
 ``--max-force`` on logged steps) ride on those collectives and add none; every rank raises
 the same error.
@@ -52,9 +52,9 @@ the step, the integrator state (settings; a Nose-Hoover chain's variables), the 
 and the bath heat atomically on rank 0; ``--restart FILE`` continues from it, at any rank count,
 up to ``--steps`` (which counts the whole run). Before step 1 rank 0 checks that the
 ``--checkpoint/--trajectory/--thermo`` paths are writable, removes the temporaries killed
-writers left, and on a restart cuts torn tails (:mod:`twinshard.atoms.md_files`; the result's
+writers left, and on a restart cuts torn tails (:mod:`twinshard.atoms.dynamics.md_files`; the result's
 ``file_repairs`` lists what it did). A checkpoint records the potential and the structure
-(:mod:`twinshard.atoms.provenance`); a restart with another potential (class, cutoff, LJ table,
+(:mod:`twinshard.atoms.dynamics.provenance`); a restart with another potential (class, cutoff, LJ table,
 weights, model file) refuses unless ``--allow-changed-potential`` (then the result's
 ``potential_notice`` says what changed), and a structure given with ``--restart`` must be the
 checkpoint's (atom count, ids, species).
@@ -74,7 +74,8 @@ from typing import Any
 
 import torch
 
-from twinshard.atoms.md import (
+from twinshard.atoms.data.system import System
+from twinshard.atoms.dynamics.md import (
     Langevin,
     NoseHooverChain,
     SerialEngine,
@@ -86,13 +87,12 @@ from twinshard.atoms.md import (
     maxwell_boltzmann,
     simulate,
 )
-from twinshard.atoms.md_files import prepare_outputs
-from twinshard.atoms.plain_inputs import evaluate_reference, evaluate_serial, potential_mode
+from twinshard.atoms.dynamics.md_files import prepare_outputs
+from twinshard.atoms.dynamics.provenance import check_potential, check_structure, potential_provenance
+from twinshard.atoms.dynamics.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
+from twinshard.atoms.parallel.plain_inputs import evaluate_reference, evaluate_serial, potential_mode
 from twinshard.atoms.potentials import make_potential
 from twinshard.atoms.potentials.base import error_figures
-from twinshard.atoms.provenance import check_potential, check_structure, potential_provenance
-from twinshard.atoms.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
-from twinshard.atoms.system import System
 from twinshard.memory import RssWindow, peak_memory_during, storage_bytes
 from twinshard.runtime.world import COLLECTIVE_TIMEOUT  # noqa: F401  (moved to the runtime; re-exported)
 
@@ -177,7 +177,7 @@ def load_structure(cfg: MDConfig) -> System:
     Velocities that are all zero get a Maxwell-Boltzmann draw at
     ``cfg.temperature`` keyed by global id (the same on any rank count).
     """
-    from twinshard.atoms import structures
+    from twinshard.atoms.data import structures
 
     name = cfg.structure
     if cfg.atoms is not None and cfg.atoms < 1:
@@ -196,7 +196,7 @@ def load_structure(cfg: MDConfig) -> System:
                 kwargs["n_atoms"] = n
             system = structures.build(name, **kwargs)
     else:
-        from twinshard.atoms.io import read
+        from twinshard.atoms.data.io import read
 
         system = read(name)
     if not bool(system.velocities.abs().gt(0).any()) and cfg.temperature > 0:
@@ -211,7 +211,7 @@ def lj_parameters(cfg: MDConfig, species: list[int]) -> dict[int, tuple[float, f
         return None
     from ase.data import atomic_numbers
 
-    from twinshard.atoms.structures import lj_mixture_parameters
+    from twinshard.atoms.data.structures import lj_mixture_parameters
 
     defaults = {18: (0.0104, 3.405), **lj_mixture_parameters()}
     params: dict[int, tuple[float, float]] = {}
@@ -291,7 +291,7 @@ def ghost_shell_estimate(
     """Halo atoms per rank of a slab decomposition (see the module docstring). ``pbc`` does not
     enter: an unsplit axis imports nothing whether periodic or open, a split one a slab each side
     (at a non-periodic outer face that over-counts: an upper bound there)."""
-    from twinshard.atoms.partition import cell_heights, ghost_fraction
+    from twinshard.atoms.parallel.partition import cell_heights, ghost_fraction
 
     c = cell.to(torch.float64)
     if abs(float(torch.linalg.det(c))) == 0:
@@ -332,7 +332,7 @@ def _tensor_bytes(*objs: Any) -> int:
 
 
 class DistributedEngine:
-    """The :class:`~twinshard.atoms.md.Engine` of one rank: owned atoms of a ShardedSystem.
+    """The :class:`~twinshard.atoms.dynamics.md.Engine` of one rank: owned atoms of a ShardedSystem.
 
     ``set_state(moved=True)`` calls ``sharded.update()`` (collective; may
     migrate atoms and reorder rows), ``compute`` the distributed potential
@@ -387,8 +387,8 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     ``cfg.checkpoint`` it writes one every ``cfg.checkpoint_every`` steps and at the
     end (gathered on rank 0, atomic).
     """
-    from twinshard.atoms.distributed import DistributedPotential
-    from twinshard.atoms.sharded import ShardedSystem
+    from twinshard.atoms.parallel.distributed import DistributedPotential
+    from twinshard.atoms.parallel.sharded import ShardedSystem
     from twinshard.comm import CommLedger
     from twinshard.comm import primitives as prim
     from twinshard.comm.ledger import BYTES_MODEL
@@ -454,7 +454,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     if changed:
         print(f"twinshard md: {changed}", file=sys.stderr, flush=True)
     if cfg.storage == "graph":  # atoms split by index, geometry replicated (atoms.graph_storage)
-        from twinshard.atoms.graph_storage import GraphSharded
+        from twinshard.atoms.parallel.graph_storage import GraphSharded
 
         sharded = GraphSharded.scatter(system, 0, cutoff=float(potential.cutoff), skin=cfg.skin)
     else:

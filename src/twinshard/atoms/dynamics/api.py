@@ -23,10 +23,10 @@ Where it runs:
   0's system is used (``ranks`` is ignored).
 
 Distributed like ``twinshard md``: the system is scattered by
-:class:`~twinshard.atoms.sharded.ShardedSystem` (spatial domains, halos,
+:class:`~twinshard.atoms.parallel.sharded.ShardedSystem` (spatial domains, halos,
 migration), forces come from
-:class:`~twinshard.atoms.distributed.DistributedPotential`, and the integrators
-of :mod:`twinshard.atoms.md` step each rank's owned atoms; the trajectory equals
+:class:`~twinshard.atoms.parallel.distributed.DistributedPotential`, and the integrators
+of :mod:`twinshard.atoms.dynamics.md` step each rank's owned atoms; the trajectory equals
 the serial one to round-off for any rank count (Langevin noise keyed by atom
 id and step). Memory per rank: the owned atoms and their halo during the run;
 the final system is gathered on rank 0 only.
@@ -42,7 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from twinshard.atoms.md import (
+from twinshard.atoms.data.system import System
+from twinshard.atoms.dynamics.md import (
     Langevin,
     NoseHooverChain,
     ThermoLog,
@@ -54,10 +55,9 @@ from twinshard.atoms.md import (
     maxwell_boltzmann,
     simulate,
 )
-from twinshard.atoms.md_files import prepare_outputs
-from twinshard.atoms.provenance import check_potential, check_structure, potential_provenance
-from twinshard.atoms.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
-from twinshard.atoms.system import System
+from twinshard.atoms.dynamics.md_files import prepare_outputs
+from twinshard.atoms.dynamics.provenance import check_potential, check_structure, potential_provenance
+from twinshard.atoms.dynamics.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
 
 __all__ = ["MDResult", "run_md"]
 
@@ -73,7 +73,7 @@ class MDResult:
     :mod:`twinshard.atoms.potentials.base`; ``stress`` is ``None`` without a cell
     volume); ``migrations`` and ``ranks`` of the run; ``info["file_repairs"]``: what rank 0
     removed or cut from the output files before step 1 (stale temporaries, torn tails; see
-    :mod:`twinshard.atoms.md_files`); ``info["max_temperature"]``, ``info["max_force"]``: the
+    :mod:`twinshard.atoms.dynamics.md_files`); ``info["max_temperature"]``, ``info["max_force"]``: the
     sanity bounds it was checked against (K, eV/A; ``None``: no bound);
     ``info["potential_notice"]``: on a restart with ``allow_changed_potential``, what changed
     (``None``: nothing).
@@ -178,7 +178,7 @@ def run_md(
         potential: any module following the potential contract
             (:mod:`twinshard.atoms.potentials.base`): ``LennardJones(...)``,
             ``MessagePassingPotential(...)``, your own; or a plain dict-contract model
-            (:mod:`twinshard.atoms.plain_inputs`), e.g. a mace-torch ``MACE`` /
+            (:mod:`twinshard.atoms.parallel.plain_inputs`), e.g. a mace-torch ``MACE`` /
             ``ScaleShiftMACE`` module (wrapped in ``MaceAdapter``), run unmodified
             through the ShardTensor dispatch.
         ranks: local ranks to spawn (ignored inside a world, e.g. under torchrun).
@@ -194,27 +194,27 @@ def run_md(
             system's velocities (ASE momenta) are kept.
         skin: Verlet skin (A); ``partition``: ``"spatial"`` or ``"block"``.
         storage: ``"halo"`` (spatial domains with halos) or ``"graph"`` (plain models: atoms split
-            by index, geometry replicated; :mod:`twinshard.atoms.graph_storage`).
+            by index, geometry replicated; :mod:`twinshard.atoms.parallel.graph_storage`).
         trajectory, trajectory_every: extxyz frames gathered on rank 0.
         thermo, thermo_every: the thermo log file (written by rank 0).
-        checkpoint, checkpoint_every, restart: restart files (see :mod:`twinshard.atoms.md`). A
+        checkpoint, checkpoint_every, restart: restart files (see :mod:`twinshard.atoms.dynamics.md`). A
             checkpoint records the potential (class, cutoff, LJ table, a digest of its
-            state_dict) and the structure (:mod:`twinshard.atoms.provenance`): a restart with
+            state_dict) and the structure (:mod:`twinshard.atoms.dynamics.provenance`): a restart with
             another potential raises a ValueError naming what differs, unless
             ``allow_changed_potential``; a ``system`` given with ``restart`` must be the
             checkpoint's structure (atom count, ids, species).
         dtype: float dtype of the run (fp64 default).
         timeout: seconds the whole run may take with local ranks.
         max_temperature, max_force: sanity bounds (K, eV/A; 0 or inf: none), checked on every
-            logged step (:mod:`twinshard.atoms.sanity`); a run that exceeds one, or whose
+            logged step (:mod:`twinshard.atoms.dynamics.sanity`); a run that exceeds one, or whose
             positions, energies or forces become non-finite, raises
-            :class:`~twinshard.atoms.sanity.Diverged` (a ValueError; in a RankFailure from local
+            :class:`~twinshard.atoms.dynamics.sanity.Diverged` (a ValueError; in a RankFailure from local
             ranks) naming the step.
 
     Returns:
         :class:`MDResult`.
     """
-    from twinshard.atoms.plain_inputs import as_potential
+    from twinshard.atoms.parallel.plain_inputs import as_potential
     from twinshard.runtime import get_world, in_torchrun, init_world, shared_pool
 
     if system is None and restart is None:
@@ -255,7 +255,7 @@ def run_md(
         return _md_rank(system, potential, integ, opts)
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
-    from twinshard.atoms.driver import COLLECTIVE_TIMEOUT
+    from twinshard.atoms.dynamics.driver import COLLECTIVE_TIMEOUT
 
     outs = shared_pool().run(
         _md_rank,
@@ -276,12 +276,12 @@ def _md_rank(
     """Every rank: scatter rank 0's system, run, gather the final state on rank 0.
 
     Collectives: those of ``ShardedSystem.scatter``, of :func:`simulate` (see
-    ``twinshard.atoms.driver``), one final ``DistributedPotential.compute`` with
+    ``twinshard.atoms.dynamics.driver``), one final ``DistributedPotential.compute`` with
     stress, two all_gathers (ids, forces) and the final gather.
     """
-    from twinshard.atoms.distributed import DistributedPotential
-    from twinshard.atoms.driver import DistributedEngine
-    from twinshard.atoms.sharded import ShardedSystem
+    from twinshard.atoms.dynamics.driver import DistributedEngine
+    from twinshard.atoms.parallel.distributed import DistributedPotential
+    from twinshard.atoms.parallel.sharded import ShardedSystem
     from twinshard.comm import primitives as prim
     from twinshard.runtime import agree_step, require_world
 
@@ -338,14 +338,14 @@ def _md_rank(
     start_step, heat0 = int(resume[0]), float(resume[1])
     load_dynamic_values(integ, resume[2:].tolist())  # every rank's chain starts from rank 0's
     if opts["storage"] == "graph":
-        from twinshard.atoms.graph_storage import GraphSharded
+        from twinshard.atoms.parallel.graph_storage import GraphSharded
 
         sharded = GraphSharded.scatter(mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"])
     else:
         sharded = ShardedSystem.scatter(
             mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"], partition=opts["partition"]
         )
-    from twinshard.atoms.plain_inputs import potential_mode
+    from twinshard.atoms.parallel.plain_inputs import potential_mode
 
     dp = DistributedPotential(potential, mode=potential_mode(potential))
     engine = DistributedEngine(sharded, dp)

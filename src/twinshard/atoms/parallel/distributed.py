@@ -3,7 +3,7 @@
 :class:`DistributedPotential` wraps any module that follows the potential
 contract (:mod:`twinshard.atoms.potentials.base`: ``cutoff`` and
 ``forward(graph) -> per-atom energies``) and evaluates it on each rank's
-``[owned | halo]`` block of a :class:`~twinshard.atoms.sharded.ShardedSystem`.
+``[owned | halo]`` block of a :class:`~twinshard.atoms.parallel.sharded.ShardedSystem`.
 
 Placements:
     in:  owned positions ``Shard(0)`` (uneven), parameters replicated;
@@ -45,9 +45,9 @@ halo rows' ``[force, energy]`` partial sums scatter-added into the owned rows,
 and the same all_reduce of ``[energy, virial]``. No autograd graph.
 ``DistributedPotential(pot, analytic=False)`` forces the autograd path (the oracle).
 
-Graph-parallel storage: given a :class:`~twinshard.atoms.graph_storage.GraphSharded` instead of a
+Graph-parallel storage: given a :class:`~twinshard.atoms.parallel.graph_storage.GraphSharded` instead of a
 ShardedSystem, ``compute`` / ``per_atom_energies`` run a plain model (``mode="dispatch"``) on it
-(:func:`~twinshard.atoms.graph_storage.graph_compute`; a batch of S systems gives ``[S]`` energies
+(:func:`~twinshard.atoms.parallel.graph_storage.graph_compute`; a batch of S systems gives ``[S]`` energies
 and ``[S, 3, 3]`` virials and stresses).
 
 Stress: a symmetric strain leaf ``eps`` is applied to the whole padded block
@@ -67,9 +67,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from twinshard.atoms.plain_inputs import dispatch_compute, dispatch_energies
+from twinshard.atoms.parallel.plain_inputs import dispatch_compute, dispatch_energies
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials.base import Graph, Results, has_analytic, strained
-from twinshard.atoms.sharded import ShardedSystem
 from twinshard.comm import primitives as prim
 from twinshard.comm.ops import sync_params
 from twinshard.runtime import agree_step
@@ -184,7 +184,7 @@ class DistributedPotential:
         ``strain`` (3x3) optionally deforms the block by ``I + sym(strain)``.
         """
         if getattr(sharded, "storage", "halo") == "graph":  # atoms.graph_storage.GraphSharded
-            from twinshard.atoms.graph_storage import graph_energies
+            from twinshard.atoms.parallel.graph_storage import graph_energies
 
             if strain is not None:
                 raise ValueError("graph storage: the model applies its own strain (compute_stress=True)")
@@ -220,7 +220,7 @@ class DistributedPotential:
         closed-form path unless ``create_graph`` (same results to round-off).
         """
         if getattr(sharded, "storage", "halo") == "graph":  # graph-parallel storage (per-system results)
-            from twinshard.atoms.graph_storage import graph_compute
+            from twinshard.atoms.parallel.graph_storage import graph_compute
 
             return graph_compute(self, sharded, compute_stress, create_graph)
         if self.analytic and not create_graph:

@@ -17,7 +17,7 @@ frame shifts of owned rows and the block neighbour list's own shifts along the w
 ``shifts``, so every halo row is a plain copy of its owner's row. ``cell`` is replicated.
 
 :func:`dispatch_energies` / :func:`dispatch_compute` are the ``mode="dispatch"`` paths of
-:class:`~twinshard.atoms.distributed.DistributedPotential`.
+:class:`~twinshard.atoms.parallel.distributed.DistributedPotential`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from twinshard.atoms.neighbors import Edges, RadiusGraph, VerletList, neighbor_list
+from twinshard.atoms.data.neighbors import Edges, RadiusGraph, VerletList, neighbor_list
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials.base import Results
-from twinshard.atoms.sharded import ShardedSystem
-from twinshard.atoms.system import System
 from twinshard.comm.ops import sync_params
 from twinshard.comm.primitives import group_size
 from twinshard.shard.dispatch import lazy_halo

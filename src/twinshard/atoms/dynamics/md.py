@@ -1,7 +1,7 @@
 """Molecular dynamics: the time loop, engines, thermo log, trajectory and checkpoints.
 
 The integrators (velocity Verlet, Langevin BAOAB, keyed by global atom id so a distributed
-trajectory equals the serial one for any rank count) live in :mod:`twinshard.atoms.integrators`
+trajectory equals the serial one for any rank count) live in :mod:`twinshard.atoms.dynamics.integrators`
 and are re-exported here.
 
 :func:`simulate` is the time loop, written against the small :class:`Engine`
@@ -19,11 +19,11 @@ run from one (``start_step``, ``heat``): step ``s`` always draws the noise of st
 ``s``, so an interrupted and resumed run, at any rank count, equals the
 uninterrupted one to round-off; before step 1 rank 0 checks the output paths, and a restart cuts
 the torn tails and the post-checkpoint frames/rows of the trajectory and thermo log
-(:mod:`twinshard.atoms.md_files`). A checkpoint holds positions, velocities, ids,
+(:mod:`twinshard.atoms.dynamics.md_files`). A checkpoint holds positions, velocities, ids,
 numbers, masses, cell, pbc and extra per-atom arrays (not ``info``), the step,
 the integrator's state (its settings and a Nose-Hoover chain's variables), the RNG position (seed,
 stream, next step) plus the bath heat so far, what produced it (the potential's and the
-structure's identity, :mod:`twinshard.atoms.provenance`) and a SHA-256 checksum of all that; it
+structure's identity, :mod:`twinshard.atoms.dynamics.provenance`) and a SHA-256 checksum of all that; it
 loads with ``torch.load(weights_only=True)`` (:func:`load_checkpoint`, which refuses a payload
 that does not match its checksum).
 """
@@ -40,8 +40,10 @@ from typing import Any, Protocol
 import torch
 from ase import units
 
-from twinshard.atoms import sanity
-from twinshard.atoms.integrators import (  # re-exported: md.py held them before
+from twinshard.atoms.data.neighbors import VerletList
+from twinshard.atoms.data.system import System
+from twinshard.atoms.dynamics import sanity
+from twinshard.atoms.dynamics.integrators import (  # re-exported: md.py held them before
     LANGEVIN_STREAM,
     VELOCITY_STREAM,
     Langevin,
@@ -50,10 +52,8 @@ from twinshard.atoms.integrators import (  # re-exported: md.py held them before
     kinetic_energy,
     maxwell_boltzmann,
 )
-from twinshard.atoms.md_files import THERMO_COLUMNS, prepare_outputs
-from twinshard.atoms.neighbors import VerletList
-from twinshard.atoms.provenance import check_payload, payload_checksum, structure_identity
-from twinshard.atoms.system import System
+from twinshard.atoms.dynamics.md_files import THERMO_COLUMNS, prepare_outputs
+from twinshard.atoms.dynamics.provenance import check_payload, payload_checksum, structure_identity
 from twinshard.runtime.errors import short_reason
 from twinshard.runtime.files import atomic_write
 
@@ -97,8 +97,8 @@ class Engine(Protocol):
     def set_state(self, positions: torch.Tensor, velocities: torch.Tensor, moved: bool) -> None:
         """Store the integrated state; ``moved``: positions changed (distributed: then a
         collective update that may migrate atoms between ranks and reorder the rows). Raises
-        :class:`~twinshard.atoms.sanity.Diverged` on every rank if a position is non-finite or
-        jumped beyond ``cutoff + skin`` (:func:`~twinshard.atoms.sanity.check_positions`)."""
+        :class:`~twinshard.atoms.dynamics.sanity.Diverged` on every rank if a position is non-finite or
+        jumped beyond ``cutoff + skin`` (:func:`~twinshard.atoms.dynamics.sanity.check_positions`)."""
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(total potential energy, forces on the local atoms in the local order)."""
@@ -147,7 +147,10 @@ class SerialEngine:
         self.system.velocities = velocities
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from twinshard.atoms.plain_inputs import evaluate_reference, evaluate_serial  # either contract
+        from twinshard.atoms.parallel.plain_inputs import (  # either contract
+            evaluate_reference,
+            evaluate_serial,
+        )
 
         if self.reference:
             res = evaluate_reference(self.potential, self.system, compute_stress=False)
@@ -167,7 +170,7 @@ class ThermoLog:
     """Rows of (step, time_fs, potential, kinetic, temperature, conserved), eV and K.
 
     ``resumed``: the file belongs to a restarted run (prepared by
-    :func:`~twinshard.atoms.md_files.repair_thermo`): :meth:`add` appends to it."""
+    :func:`~twinshard.atoms.dynamics.md_files.repair_thermo`): :meth:`add` appends to it."""
 
     n_atoms: int
     rows: list[dict[str, float]] = field(default_factory=list)
@@ -241,17 +244,17 @@ def simulate(
     gathered on rank 0) every ``trajectory_every`` steps; a checkpoint (gathered on
     rank 0, written atomically) every ``checkpoint_every`` steps and at the last
     step, recording ``provenance`` (the potential's,
-    :func:`~twinshard.atoms.provenance.potential_provenance`; needed on rank 0 only). With
+    :func:`~twinshard.atoms.dynamics.provenance.potential_provenance`; needed on rank 0 only). With
     ``check_files`` rank 0 first runs
-    :func:`~twinshard.atoms.md_files.prepare_outputs` (writable paths, stale temporaries, torn
+    :func:`~twinshard.atoms.dynamics.md_files.prepare_outputs` (writable paths, stale temporaries, torn
     tails on a restart); a distributed driver runs it inside a fail-together step and passes
     False (an error raised on rank 0 alone would leave the other ranks waiting). The global
     sums (energies, heat) and gathers are issued on every rank at the same steps, so all ranks
     reach the same collectives; so are the integrator's own (a Nose-Hoover chain: one
     ``engine.reduce_sum`` of the kinetic energy per thermostat half-step, every step).
 
-    Sanity (:mod:`twinshard.atoms.sanity`): every step, ``engine.set_state`` raises
-    :class:`~twinshard.atoms.sanity.Diverged` on every rank for non-finite or runaway positions
+    Sanity (:mod:`twinshard.atoms.dynamics.sanity`): every step, ``engine.set_state`` raises
+    :class:`~twinshard.atoms.dynamics.sanity.Diverged` on every rank for non-finite or runaway positions
     (here given the step); every logged step raises it for a non-finite energy or force, a
     temperature above ``max_temperature`` (K) or a force above ``max_force`` (eV/A) (0 or inf:
     no bound), from the thermo all_reduce, which also carries each rank's largest force.
@@ -311,7 +314,7 @@ def simulate(
     def write_frame(step: int, energy: torch.Tensor) -> None:
         frame = engine.gather()  # a collective in a distributed run: every rank calls it
         if frame is not None and engine.rank == 0:
-            from twinshard.atoms.io import write
+            from twinshard.atoms.data.io import write
 
             write(
                 trajectory, frame, format="extxyz", append=step > 0, info={"step": step}, energy=float(energy)
@@ -390,7 +393,7 @@ def checkpoint_state(
     Plain values and tensors only, so it loads with ``torch.load(weights_only=True)``.
     The RNG is counter-based (keyed by seed, stream, atom id, step, component): its
     position is the next step to draw. ``"provenance"`` holds ``potential`` (the record of
-    :func:`~twinshard.atoms.provenance.potential_provenance`, or None: unknown) and the
+    :func:`~twinshard.atoms.dynamics.provenance.potential_provenance`, or None: unknown) and the
     structure's identity; :func:`save_checkpoint` adds the checksum.
     """
     integ = integrator.state()
@@ -427,7 +430,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     point leaves either the previous file or the new one, never a torn one (a killed writer
     may leave its ``.tmp`` file, which loading ignores and the next run removes). The state is
     stored with ``"checksum"``: the SHA-256 of everything else
-    (:func:`~twinshard.atoms.provenance.payload_checksum`)."""
+    (:func:`~twinshard.atoms.dynamics.provenance.payload_checksum`)."""
     state = {**state, "checksum": payload_checksum(state)}
     atomic_write(path, lambda f: torch.save(state, f))
 

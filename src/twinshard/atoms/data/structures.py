@@ -20,7 +20,7 @@ import math
 import numpy as np
 import torch
 
-from twinshard.atoms.system import System
+from twinshard.atoms.data.system import System
 
 __all__ = [
     "ARGON_LATTICE",

@@ -1,6 +1,6 @@
 """A batch of systems as one set of rows: validation, the header every rank needs, the split back.
 
-Helpers of :mod:`twinshard.atoms.graph_storage`: a batch (one System or a list of Systems of any
+Helpers of :mod:`twinshard.atoms.parallel.graph_storage`: a batch (one System or a list of Systems of any
 sizes) is concatenated in the caller's order, so global row ``g`` is atom ``g`` of the
 concatenation; :func:`balanced_counts` splits the rows into contiguous per-rank blocks;
 :func:`split_systems` cuts gathered rows back into Systems. Only :func:`broadcast_header` is
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from twinshard.atoms.plain_inputs import SYSTEM_VALUES
-from twinshard.atoms.sharded import _as_system, _check_ids
-from twinshard.atoms.system import System
+from twinshard.atoms.data.system import System
+from twinshard.atoms.parallel.plain_inputs import SYSTEM_VALUES
+from twinshard.atoms.parallel.sharded import _as_system, _check_ids
 from twinshard.comm import primitives as prim
 
 __all__ = [

@@ -2,10 +2,10 @@
 
 ``twinshard validate --potential mpnn|mace [--model FILE] --ranks P [--storage halo|graph]
 [--structure FILE] [--json]`` evaluates a plain-PyTorch potential (the plain message-passing
-model or MACE, see :mod:`twinshard.atoms.plain_inputs`) serially and on ``P`` local ranks through
+model or MACE, see :mod:`twinshard.atoms.parallel.plain_inputs`) serially and on ``P`` local ranks through
 the ShardTensor dispatch (``DistributedPotential(mode="dispatch")``) on halo-decomposed
-(:class:`~twinshard.atoms.sharded.ShardedSystem`) or graph-parallel storage
-(:class:`~twinshard.atoms.graph_storage.GraphSharded`), forward and backward
+(:class:`~twinshard.atoms.parallel.sharded.ShardedSystem`) or graph-parallel storage
+(:class:`~twinshard.atoms.parallel.graph_storage.GraphSharded`), forward and backward
 (energy, forces, stress), and reports the errors with the keys of ``twinshard md --json``
 (``energy_rel_error``, ``max_force_error``, ``max_stress_error``). Beyond tolerance it exits
 non-zero and names the first op whose distributed result diverged, with the dispatch handler
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from twinshard.atoms.system import System
+from twinshard.atoms.data.system import System
 
 __all__ = ["TOLERANCES", "ValidateConfig", "Traced", "add_parser", "run_validate", "validate_rank"]
 
@@ -162,10 +162,10 @@ def build_potential(cfg: ValidateConfig, species: list[int]) -> nn.Module:
 
 def load_system(cfg: ValidateConfig, species: list[int] | None = None) -> System:
     if cfg.structure:
-        from twinshard.atoms.io import read
+        from twinshard.atoms.data.io import read
 
         return read(cfg.structure)
-    from twinshard.atoms import structures
+    from twinshard.atoms.data import structures
 
     s = structures.fcc_argon(repeat=2, rattle=0.25, seed=1)  # 32 atoms, periodic
     zs = torch.tensor(species or [18])
@@ -201,8 +201,8 @@ def validate_rank(cfg: ValidateConfig, species: list[int]) -> dict[str, Any]:
     """On every rank: the distributed evaluation, traced; returns this rank's owned results."""
     import torch.distributed as dist
 
-    from twinshard.atoms.distributed import DistributedPotential
-    from twinshard.atoms.sharded import ShardedSystem
+    from twinshard.atoms.parallel.distributed import DistributedPotential
+    from twinshard.atoms.parallel.sharded import ShardedSystem
 
     if cfg.storage not in ("halo", "graph"):
         raise ValueError(f"validate: --storage is 'halo' or 'graph', got {cfg.storage!r}")
@@ -211,7 +211,7 @@ def validate_rank(cfg: ValidateConfig, species: list[int]) -> dict[str, Any]:
     holder = [0]
     pot, traced = with_trace(model, _keep_dist(holder))
     if cfg.storage == "graph":  # gathers there index other ranks' rows: compared by their outputs only
-        from twinshard.atoms.graph_storage import GraphSharded
+        from twinshard.atoms.parallel.graph_storage import GraphSharded
 
         store: Any = GraphSharded.scatter(system, cutoff=float(model.cutoff), skin=cfg.skin)
     else:
@@ -305,7 +305,7 @@ def _first_divergence(
 def run_validate(cfg: ValidateConfig) -> dict[str, Any] | None:
     """Serial and distributed (``cfg.ranks`` local ranks, or the torchrun world); the report (see
     the module docstring) on rank 0 or without a world, ``None`` on the other ranks of a world."""
-    from twinshard.atoms.plain_inputs import evaluate_plain, evaluate_reference
+    from twinshard.atoms.parallel.plain_inputs import evaluate_plain, evaluate_reference
     from twinshard.atoms.potentials.base import error_figures
     from twinshard.runtime import reports, run_ranks
 

@@ -1,8 +1,8 @@
 """Partitioners: which rank owns which atom.
 
 Two partitioners share one small interface (``owner_of``, ``frame_center``,
-``region``), used by the halo planner (:mod:`twinshard.atoms.halo`) and the
-sharded system (:mod:`twinshard.atoms.sharded`):
+``region``), used by the halo planner (:mod:`twinshard.atoms.parallel.halo`) and the
+sharded system (:mod:`twinshard.atoms.parallel.sharded`):
 
 - :class:`SpatialPartition` splits the cell into ``g0 x g1 x g2`` slabs of
   equal *fractional* width, so triclinic cells work unchanged. The rank grid
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twinshard.atoms.cells import cell_problem, complete_cell, is_singular
+from twinshard.atoms.data.cells import cell_problem, complete_cell, is_singular
 
 __all__ = [
     "PartitionError",

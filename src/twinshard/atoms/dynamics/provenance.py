@@ -1,6 +1,6 @@
 """What produced an MD checkpoint, and the checksum of its payload.
 
-A checkpoint (:mod:`twinshard.atoms.md`) records the potential that wrote it
+A checkpoint (:mod:`twinshard.atoms.dynamics.md`) records the potential that wrote it
 (:func:`potential_provenance`: its class, cutoff and a few hyperparameters, a SHA-256 of its
 ``state_dict`` and, for a model file, the file's SHA-256) and the identity of the structure
 (:func:`structure_identity`: atom count, sorted ids, species counts). Storage, partition and rank
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from twinshard.atoms.system import System
+from twinshard.atoms.data.system import System
 
 __all__ = [
     "sha256_of",

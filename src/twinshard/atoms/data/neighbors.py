@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from twinshard.atoms.cells import cell_problem, complete_cell
+from twinshard.atoms.data.cells import cell_problem, complete_cell
 
 __all__ = ["Edges", "RadiusGraph", "neighbor_list", "half_of", "lex_positive", "VerletList", "within_cutoff"]
 

@@ -1,0 +1,1 @@
+"""Particle data: systems, structure I/O, embedded structures, cells, neighbour lists."""
