@@ -9,12 +9,8 @@ import json
 import os
 from typing import Any
 
-from twinshard.atoms.dynamics.driver import (
-    DEFAULT_ATOMS,
-    RESULT_KEYS,
-    MDConfig,
-    md_rank,
-)
+from twinshard.atoms.dynamics.config import DEFAULT_ATOMS, RESULT_KEYS, MDConfig
+from twinshard.atoms.dynamics.driver import md_rank
 from twinshard.atoms.dynamics.sanity import MAX_FORCE, MAX_TEMPERATURE
 
 __all__ = ["add_md_parser", "config_from_args", "run_md"]
