@@ -99,7 +99,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "sigint_traceback_not_caught",
         "message lost",
-        "cli.py",
+        "cli/__init__.py",
         "except (KeyboardInterrupt, Stopped, ConnectionError, EOFError) as exc:",
         "except (Stopped, ConnectionError, EOFError) as exc:",
         (

@@ -13,7 +13,7 @@ import torch
 from twinshard.atoms.data.io import read_trajectory, write
 from twinshard.atoms.data.structures import random_packing
 from twinshard.atoms.dynamics.driver import MDConfig, md_rank, result_keys
-from twinshard.atoms.md_cli import add_md_parser, run_md
+from twinshard.cli.md import add_md_parser, run_md
 from twinshard.runtime import RankFailure
 from twinshard.testing import assert_parity, run_on_world, tolerance
 

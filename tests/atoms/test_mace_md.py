@@ -24,10 +24,10 @@ import twinshard.atoms as ta
 from twinshard.atoms.data import structures
 from twinshard.atoms.data.io import write
 from twinshard.atoms.data.system import System
-from twinshard.atoms.md_cli import add_md_parser, run_md
 from twinshard.atoms.parallel.plain_inputs import evaluate_plain
 from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, build_scaleshift_mace, mace_native
+from twinshard.cli.md import add_md_parser, run_md
 from twinshard.shard.placements import HaloPadded, HaloState, ShardSpec
 from twinshard.shard.rowwise import StackedRows
 from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, from_local, to_local

@@ -286,7 +286,7 @@ def test_cli_check_serial_uses_the_model_calculator(model_files, tmp_path, capsy
     import json
 
     from twinshard.atoms.data.io import read, write
-    from twinshard.atoms.md_cli import add_md_parser, run_md
+    from twinshard.cli.md import add_md_parser, run_md
 
     structure = tmp_path / "s.extxyz"
     write(structure, make_system())

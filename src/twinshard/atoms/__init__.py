@@ -106,5 +106,6 @@ _alias(
             ("dynamics", ("integrators", "md", "md_files", "provenance", "sanity", "driver", "api")),
         )
         for m in modules
-    },
+    }
+    | {"md_cli": "twinshard.cli.md"},  # the command line lives in twinshard.cli
 )

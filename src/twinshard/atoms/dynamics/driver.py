@@ -1,5 +1,5 @@
 """The MD driver: ``twinshard md``, serial and distributed with one integrator (its command
-line, parser and local-rank launch: :mod:`twinshard.atoms.md_cli`).
+line, parser and local-rank launch: :mod:`twinshard.cli.md`).
 
 Distributed, every rank runs :func:`md_rank`: rank 0 loads the structure (an
 embedded default or a file, inside a fail-together step), the system is

@@ -8,108 +8,37 @@ twinshard bench pair|atoms|migrate|harness  benchmarks that print JSON (last std
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import os
-import statistics
 import sys
-import time
-from typing import Any
 
-# Demo sections: modules with ``demo_rows()``, each called on every rank of the demo world.
-DEMO_SECTIONS = ("twinshard.comm.adjoint", "twinshard.atoms.demo", "twinshard.pair.demo")
+from twinshard.cli.demo import DEMO_SECTIONS, run_demo  # noqa: F401  (re-exported)
 
-
-def _demo_rank(sections: tuple[str, ...]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for name in sections:
-        rows += importlib.import_module(name).demo_rows()
-    return rows
-
-
-def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    from twinshard.runtime import get_world, reports, run_ranks
-
-    t = time.perf_counter()
-    rows = run_ranks(_demo_rank, args.ranks, DEMO_SECTIONS, option="--ranks")[0]
-    wall = time.perf_counter() - t
-    if not reports():
-        return {"rows": rows}
-    width = max(len(r["what"]) for r in rows)
-    world = get_world()
-    where = f"{args.ranks} local ranks" if world is None else f"{world.size} ranks ({world.backend})"
-    print(f"twinshard demo: {where}, fp64, every result against its serial twin\n")
-    print(f"{'what ran':<{width}}  {'grid':>5}  {'max abs err':>11}  {'bytes/rank':>10}")
-    for r in rows:
-        print(
-            f"{r['what']:<{width}}  {r['grid']:>5}  {r['max_abs_error']:>11.2e}  {int(r['bytes_per_rank']):>10d}"
-        )
-    worst = max(r["max_abs_error"] for r in rows)
-    print(f"\n{len(rows)} checks, worst error {worst:.2e}, {wall:.1f} s")
-    return {"rows": rows, "worst_error": worst, "seconds": wall}
-
-
-def _trivial(x: int) -> int:
-    return x
-
-
-def run_bench_harness(args: argparse.Namespace) -> dict[str, Any]:
-    """Median time of a trivial function on N ranks through the reused worker pool (in a torchrun
-    world: one round of running it on every rank and gathering the results)."""
-    from twinshard.runtime import reports, run_ranks
-
-    t = time.perf_counter()
-    run_ranks(_trivial, args.ranks, 1, option="--ranks")
-    first = time.perf_counter() - t
-    times = []
-    for _ in range(args.repeat):
-        t = time.perf_counter()
-        run_ranks(_trivial, args.ranks, 1, option="--ranks")
-        times.append(time.perf_counter() - t)
-    out = {
-        "bench": "harness",
-        "ranks": args.ranks,
-        "first_call_seconds": first,
-        "median_seconds": statistics.median(times),
-        "repeat": args.repeat,
-    }
-    if reports():
-        print(json.dumps(out))
-    return out
+# One module per command (demo, md, selftest, validate, harness; trunk and the benchmarks'
+# parsers in twinshard.bench); main runs one inside the rank guard.
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from twinshard.bench import atoms as bench_atoms
+    from twinshard.bench import migrate as bench_migrate
+    from twinshard.bench import pair as bench_pair
+    from twinshard.bench import trunk as bench_trunk
+    from twinshard.cli import demo, harness, md, selftest, validate
+
     parser = argparse.ArgumentParser(
         prog="twinshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run every family on local ranks against serial (embedded defaults)")
-    demo.add_argument("--ranks", type=int, default=4)
-    demo.set_defaults(func=run_demo)
-    from twinshard.atoms.md_cli import add_md_parser
-    from twinshard.bench import atoms as bench_atoms
-    from twinshard.bench import migrate as bench_migrate
-    from twinshard.bench import pair as bench_pair
-
-    add_md_parser(sub)
-    from twinshard.bench import trunk as bench_trunk
-
+    demo.add_parser(sub)
+    md.add_md_parser(sub)
     bench_trunk.add_parser(sub)
-    from twinshard.selftest import add_parser as add_selftest_parser
-
-    add_selftest_parser(sub)
-    from twinshard.atoms.parallel.validate import add_parser as add_validate_parser
-
-    add_validate_parser(sub)
+    selftest.add_parser(sub)
+    validate.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (JSON on the last stdout line)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bench_atoms.add_parser(bsub)
     bench_migrate.add_migrate_parser(bsub)
     bench_pair.add_parser(bsub)
-    h = bsub.add_parser("harness", help="time a trivial function through the parity harness")
-    h.add_argument("--ranks", type=int, default=4)
-    h.add_argument("--repeat", type=int, default=10)
-    h.set_defaults(func=run_bench_harness)
+    harness.add_parser(bsub)
     return parser
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-SECTIONS = ("twinshard.comm.adjoint", "twinshard.atoms.demo", "twinshard.pair.demo")
+from twinshard.cli.demo import DEMO_SECTIONS
 
 
 def selftest_rows() -> list[dict[str, Any]]:
@@ -28,7 +28,7 @@ def selftest_rows() -> list[dict[str, Any]]:
     from twinshard.testing.checks import tolerance
 
     rows: list[dict[str, Any]] = []
-    for name in SECTIONS:
+    for name in DEMO_SECTIONS:
         for r in importlib.import_module(name).demo_rows():
             tol = tolerance(torch.float64, 1.0)
             rows.append({**r, "tolerance": tol.atol, "passed": bool(r["max_abs_error"] <= tol.atol)})
