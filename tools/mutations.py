@@ -926,6 +926,23 @@ MUTATIONS: list[Mutation] = [
         "if False:",
         ("tests/atoms/test_checkpoint_provenance.py",),
     ),
+    # -- pair: the Boltz-2 feature contract and the synthetic complex (issue 19)
+    M(
+        "contract_atom_order_unchecked",
+        "dropped check",
+        "pair/feature_contract.py",
+        "drop = real[:, :-1] & (nxt[:, 1:] < token[:, :-1])",
+        "drop = real[:, :-1] & (nxt[:, 1:] < token[:, :-1]) & False",
+        ("tests/pair/test_feature_contract.py",),
+    ),
+    M(
+        "synthetic_profile_over_padded_rows",
+        "wrong statistic",
+        "pair/synthetic.py",
+        'f["profile"][b, :m] = one_hot(msa, NUM_TOKENS).to(torch.float64).mean(0).to(dt)',
+        'f["profile"][b, :m] = one_hot(msa, NUM_TOKENS).to(torch.float64).sum(0).div(f["msa"].shape[1]).to(dt)',
+        ("tests/pair/test_feature_contract.py",),
+    ),
 ]
 
 
