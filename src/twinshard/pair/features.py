@@ -151,7 +151,7 @@ PLACEMENT_TABLE: dict[str, str] = {
     "deletion_value": "msa",
     "msa_paired": "msa",
     # per-sample
-    "method_feature": "sample",
+    "method_feature": "single",  # [B, N]: Boltz featurises the method per token
     "num_tokens": "sample",
 }
 
