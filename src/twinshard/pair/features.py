@@ -150,8 +150,8 @@ PLACEMENT_TABLE: dict[str, str] = {
     "has_deletion": "msa",
     "deletion_value": "msa",
     "msa_paired": "msa",
-    # per-sample
     "method_feature": "single",  # [B, N]: Boltz featurises the method per token
+    # per-sample
     "num_tokens": "sample",
 }
 
