@@ -16,7 +16,12 @@ from twinshard.pair.reference.dropout import (
 from twinshard.pair.reference.linear import Linear, init_linear
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 from twinshard.pair.reference.outer_product import OuterProductMean
-from twinshard.pair.reference.pairformer import PairformerLayer, PairformerStack
+from twinshard.pair.reference.pairformer import (
+    PairformerLayer,
+    PairformerNoSeqLayer,
+    PairformerNoSeqModule,
+    PairformerStack,
+)
 from twinshard.pair.reference.transition import Transition
 from twinshard.pair.reference.triangle import (
     TriangleMultiplication,
@@ -38,6 +43,8 @@ __all__ = [
     "Linear",
     "OuterProductMean",
     "PairformerLayer",
+    "PairformerNoSeqLayer",
+    "PairformerNoSeqModule",
     "PairformerStack",
     "Transition",
     "TriangleAttention",
