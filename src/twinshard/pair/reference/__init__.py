@@ -14,8 +14,10 @@ from twinshard.pair.reference.dropout import (
     stream_id,
 )
 from twinshard.pair.reference.linear import Linear, init_linear
+from twinshard.pair.reference.msa import MSALayer, MSAModule
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 from twinshard.pair.reference.outer_product import OuterProductMean
+from twinshard.pair.reference.pair_averaging import PairWeightedAveraging
 from twinshard.pair.reference.pairformer import (
     PairformerLayer,
     PairformerNoSeqLayer,
@@ -41,7 +43,10 @@ __all__ = [
     "Dropout",
     "LayerNorm",
     "Linear",
+    "MSALayer",
+    "MSAModule",
     "OuterProductMean",
+    "PairWeightedAveraging",
     "PairformerLayer",
     "PairformerNoSeqLayer",
     "PairformerNoSeqModule",
