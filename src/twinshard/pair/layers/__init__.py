@@ -11,6 +11,7 @@ from twinshard.pair.layers.dropout import CPDropout
 from twinshard.pair.layers.linear import CPLinear
 from twinshard.pair.layers.norm import CPLayerNorm
 from twinshard.pair.layers.outer_product import CPOuterProductMean
+from twinshard.pair.layers.pair_averaging import CPPairWeightedAveraging
 from twinshard.pair.layers.pairformer import (
     CPPairformerLayer,
     CPPairformerNoSeqLayer,
@@ -37,6 +38,7 @@ __all__ = [
     "CPLayerNorm",
     "CPLinear",
     "CPOuterProductMean",
+    "CPPairWeightedAveraging",
     "CPPairformerLayer",
     "CPPairformerNoSeqLayer",
     "CPPairformerNoSeqModule",
