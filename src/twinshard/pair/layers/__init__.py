@@ -9,6 +9,7 @@ from twinshard.pair.layers.attention import CPAttentionPairBias
 from twinshard.pair.layers.distogram import CPDistogramHead
 from twinshard.pair.layers.dropout import CPDropout
 from twinshard.pair.layers.linear import CPLinear
+from twinshard.pair.layers.msa import CPMSALayer, CPMSAModule
 from twinshard.pair.layers.norm import CPLayerNorm
 from twinshard.pair.layers.outer_product import CPOuterProductMean
 from twinshard.pair.layers.pair_averaging import CPPairWeightedAveraging
@@ -37,6 +38,8 @@ __all__ = [
     "CPDropout",
     "CPLayerNorm",
     "CPLinear",
+    "CPMSALayer",
+    "CPMSAModule",
     "CPOuterProductMean",
     "CPPairWeightedAveraging",
     "CPPairformerLayer",
