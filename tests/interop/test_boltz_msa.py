@@ -56,6 +56,9 @@ from twinshard.testing import (  # noqa: E402
 B = 2
 CZ = 4
 DROPOUT_SEED = 77
+# the CP twins' runs: 77 drops the one sequence of the S = 1 case in both layers (vacuous PWA
+# gradients); 78 keeps it in both
+TWIN_DROPOUT_SEED = 78
 TIMEOUT = 900.0
 NOSEQ_KW = dict(pairwise_head_width=2, pairwise_num_heads=2)
 
@@ -347,3 +350,123 @@ def test_msa_module_subsample_and_depth_errors():
         plain(z, emb, empty)
     with pytest.raises(KeyError, match="msa_paired"):
         plain(z, emb, {k: v for k, v in feats.items() if k != "msa_paired"})
+
+
+# -- CP twins of Boltz's PWA, MSA layer and MSA module -------------------------------------------
+
+from twinshard.pair.features import distribute  # noqa: E402
+
+MSA_GRIDS = [((2, 2), 7, 5), ((2, 3), 9, 1)]  # (grid, N, S): depth > grid rows, depth 1; uneven N
+
+
+def _boltz_msa_part(part: str) -> torch.nn.Module:
+    if part == "pwa":
+        m = boltz_pwa.PairWeightedAveraging(CM, CZ, 3, 2)
+    elif part == "msa-layer":
+        m = boltz_trunk.MSALayer(CM, CZ, 0.25, 0.25, **MSA_KW)
+    else:
+        m = boltz_trunk.MSAModule(CM, CZ, CS, 2, 0.25, 0.25, **MSA_KW)
+    m = m.double()
+    randomize_parameters(m, seed=90 + len(part))
+    return m.train()
+
+
+def _msa_case(part: str, b: int, s: int, n: int):
+    """``(differentiable inputs {name: (tensor, kind)}, features)`` of a case."""
+    feats = msa_feats(b, s, n, seed=91)
+    z = (synthetic(b, n, n, CZ, seed=92), "pair")
+    if part == "pwa":
+        return {"m": (synthetic(b, s, n, CM, seed=93), "msa"), "z": z}, feats
+    if part == "msa-layer":
+        return {"z": z, "m": (synthetic(b, s, n, CM, seed=93), "msa")}, feats
+    return {"z": z, "emb": (synthetic(b, n, CS, seed=94), "single")}, feats
+
+
+def _pwa_mask(b, n):
+    return pair_mask_with_diagonal(n, seed=95)[:b]
+
+
+def _rank_msa_twins(grid, parts, b, s, n):
+    results = {}
+    for part in parts:
+        theirs = _boltz_msa_part(part)
+        twin = cp_twin_of(theirs)
+        assert type(twin).__module__.startswith("twinshard.pair.layers"), type(twin)
+        x, feats = _msa_case(part, b, s, n)
+        fs = distribute({**feats, "pair_mask": _pwa_mask(b, n)}, grid)
+        leaves = {k: t.clone().requires_grad_(True) for k, (t, _) in x.items()}
+        xd = {k: shard_tensor(leaves[k], kind, grid, fs.layout) for k, (_, kind) in x.items()}
+        if part == "pwa":
+            out = twin(xd["m"], xd["z"], fs["pair_mask"])
+        elif part == "msa-layer":
+            out = torch.cat(
+                [
+                    t.reshape(-1)
+                    for t in (
+                        collect_tensor(o)
+                        for o in twin(xd["z"], xd["m"], None, fs["msa_mask"], seed=TWIN_DROPOUT_SEED)
+                    )
+                ]
+            )
+        else:
+            out = twin(xd["z"], xd["emb"], fs, seed=TWIN_DROPOUT_SEED)
+        full = out if part == "msa-layer" else collect_tensor(out).reshape(-1)
+        full.backward(random_grad_output(full, seed=5))
+        shards = {k: real_part(v) for k, v in xd.items() if (x[k][1] != "single" or grid.rows > 1)}
+        if s < grid.rows:
+            shards.pop("m", None)
+        results[part] = TwinResult(
+            out=full.detach(),
+            grads_in={k: collect_grad(leaves[k].grad, kind, grid) for k, (_, kind) in x.items()},
+            param_grads={k: p.grad for k, p in twin.named_parameters()},
+            shards=shards,
+            params=parameter_signature(twin),
+        )
+    return results
+
+
+def _boltz_msa_run(part, theirs, x, feats, b, n, monkeypatch, boltz_fp64):  # noqa: F811
+    ref_layer = None
+    if part == "msa-layer":
+        ref_layer = MSALayer(CM, CZ, 0.25, 0.25, **MSA_KW)
+        assign_dropout_streams(ref_layer)
+    elif part == "msa-module":
+        ref_layer = MSAModule(CM, CZ, CS, 2, 0.25, 0.25, **MSA_KW)
+    sites = [] if ref_layer is None else boltz_msa_sites(ref_layer)
+    tok = feats["token_pad_mask"]
+
+    def run(**leaves):
+        with boltz_fp64(), boltz_msa_uses_our_masks(monkeypatch, sites, TWIN_DROPOUT_SEED):
+            if part == "pwa":
+                return theirs(leaves["m"], leaves["z"], _pwa_mask(b, n)).reshape(-1)
+            if part == "msa-layer":
+                zo, mo = theirs(
+                    leaves["z"], leaves["m"], tok[:, :, None] * tok[:, None, :], feats["msa_mask"]
+                )
+                return torch.cat([zo.reshape(-1), mo.reshape(-1)])
+            return theirs(leaves["z"], leaves["emb"], feats).reshape(-1)
+
+    return run
+
+
+@pytest.mark.parametrize("grid,n,s", MSA_GRIDS, ids=[f"{grid_id(g)}-N{n}-S{s}" for g, n, s in MSA_GRIDS])
+def test_msa_twins_vs_boltz(grid, n, s, boltz_fp64, monkeypatch):  # noqa: F811
+    b = 1
+    parts = ("pwa", "msa-layer", "msa-module")
+    ranks = run_on_grid(_rank_msa_twins, grid, parts, b, s, n, timeout=TIMEOUT)
+    for part in parts:
+        theirs = _boltz_msa_part(part)
+        x, feats = _msa_case(part, b, s, n)
+        run = _boltz_msa_run(part, theirs, x, feats, b, n, monkeypatch, boltz_fp64)
+        ref = serial_reference(theirs, run, {k: t for k, (t, _) in x.items()}, grad_seed=5)
+        what = f"{part} twin vs boltz N={n} S={s}"
+        results = [r[part] for r in ranks]
+        zero = [k for k in ref["serial_param_grads"] if k.endswith(PWA_ZERO)]
+        scale = max(float(t.abs().max()) for t in ref["serial_param_grads"].values())
+        for k in zero:
+            theirs_zero = ref["serial_param_grads"].pop(k)
+            for side, g in (("distributed", results[0].param_grads.pop(k)), ("boltz", theirs_zero)):
+                assert float(g.abs().max()) <= 2.3e-13 * scale, f"{what}: {side} grad {k} not ~0: {g}"
+            for r in results[1:]:
+                r.param_grads.pop(k)
+        check_twin(what=what, grid=grid_id(grid), ranks=results, **ref)

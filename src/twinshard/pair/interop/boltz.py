@@ -19,6 +19,9 @@ boltz                                                   twin
 ``layers.pairformer.PairformerModule`` (``v2=True``)    ``CPPairformerStack``
 ``layers.pairformer.PairformerNoSeqLayer``              ``CPPairformerNoSeqLayer``
 ``layers.pairformer.PairformerNoSeqModule``             ``CPPairformerNoSeqModule``
+``layers.pair_averaging.PairWeightedAveraging``          ``CPPairWeightedAveraging``
+``modules.trunkv2.MSALayer``                            ``CPMSALayer``
+``modules.trunkv2.MSAModule``                           ``CPMSAModule`` (``subsample_msa=False``)
 ======================================================  =========================================
 
 The twins' dropout follows Boltz's convention (``convention="boltz"``: row-wise masks
@@ -28,7 +31,11 @@ triangle attention and of the attention with pair bias is carried over.
 
 Not supported (a ``TypeError`` that says so): the version-1 ``AttentionPairBias`` (Boltz-1's
 Pairformer, ``v2=False``), ``AttentionPairBias(compute_pair_bias=False)``, the trifast/cuEquivariance
-kernels (a twin has its own kernels; the weights are the same), and any module not listed.
+kernels (a twin has its own kernels; the weights are the same), an ``MSAModule`` with
+``subsample_msa=True`` (its ``torch.randperm`` draw in forward: subsample the MSA features before
+``distribute`` instead), and any module not listed. Boltz's eval-mode chunking (``chunk_heads``,
+chunked transitions and triangle attention) computes the same functions and needs nothing. The
+MSA twins' dropout (MSA rows ``[B, S, 1, 1]`` and the pair stack's) follows the same convention.
 
 ``boltz`` is imported lazily inside the functions: importing twinshard never requires it, and a
 call without it raises an ``ImportError`` that says how to install it.
@@ -54,6 +61,9 @@ SUPPORTED = (
     "PairformerModule",
     "PairformerNoSeqLayer",
     "PairformerNoSeqModule",
+    "PairWeightedAveraging",
+    "MSALayer",
+    "MSAModule",
 )
 
 
@@ -63,6 +73,7 @@ def boltz_modules() -> dict[str, type]:
         from boltz.model.layers import pairformer
         from boltz.model.layers.attentionv2 import AttentionPairBias
         from boltz.model.layers.outer_product_mean import OuterProductMean
+        from boltz.model.layers.pair_averaging import PairWeightedAveraging
         from boltz.model.layers.transition import Transition
         from boltz.model.layers.triangular_attention.attention import (
             TriangleAttentionEndingNode,
@@ -72,6 +83,7 @@ def boltz_modules() -> dict[str, type]:
             TriangleMultiplicationIncoming,
             TriangleMultiplicationOutgoing,
         )
+        from boltz.model.modules.trunkv2 import MSALayer, MSAModule
     except ImportError as exc:
         raise ImportError(
             "twinshard.pair.interop.boltz needs the boltz package (Boltz-2, tested with boltz 2.2.1); "
@@ -90,6 +102,9 @@ def boltz_modules() -> dict[str, type]:
         "PairformerModule": pairformer.PairformerModule,
         "PairformerNoSeqLayer": pairformer.PairformerNoSeqLayer,
         "PairformerNoSeqModule": pairformer.PairformerNoSeqModule,
+        "PairWeightedAveraging": PairWeightedAveraging,
+        "MSALayer": MSALayer,
+        "MSAModule": MSAModule,
     }
 
 
@@ -160,6 +175,58 @@ def _noseq_module_config(module: nn.Module) -> dict[str, Any]:
     return cfg
 
 
+def _pwa_config(pwa: nn.Module) -> dict[str, Any]:
+    return {
+        "c_m": int(pwa.c_m),
+        "c_z": int(pwa.c_z),
+        "c_h": int(pwa.c_h),
+        "num_heads": int(pwa.num_heads),
+        "inf": float(pwa.inf),
+    }
+
+
+def _msa_layer_config(layer: nn.Module) -> dict[str, Any]:
+    msa_s = _width(layer.msa_transition.norm)
+    if int(layer.msa_transition.fc1.out_features) != 4 * msa_s:
+        raise TypeError("a boltz MSALayer whose MSA transition is not 4 x msa_s wide has no CP twin")
+    pwa, noseq = layer.pair_weighted_averaging, layer.pairformer_layer
+    return {
+        "msa_s": msa_s,
+        "token_z": int(noseq.token_z),
+        "msa_dropout": float(layer.msa_dropout),
+        "z_dropout": float(noseq.dropout),
+        "pairwise_head_width": int(noseq.tri_att_start.c_hidden),
+        "pairwise_num_heads": int(noseq.tri_att_start.no_heads),
+        "pwa_heads": int(pwa.num_heads),
+        "pwa_head_width": int(pwa.c_h),
+        "opm_hidden": int(layer.outer_product_mean.c_hidden),
+    }
+
+
+def _msa_module_config(module: nn.Module) -> dict[str, Any]:
+    if len(module.layers) == 0:
+        raise TypeError("a boltz MSAModule with no layers has nothing to twin")
+    cfg = _msa_layer_config(module.layers[0])
+    for i, layer in enumerate(module.layers):
+        if _msa_layer_config(layer) != cfg:
+            raise TypeError(f"boltz MSAModule layer {i} differs in configuration from layer 0")
+    if bool(module.subsample_msa):
+        raise TypeError(
+            "a boltz MSAModule with subsample_msa=True draws torch.randperm in forward; its CP twin "
+            "needs the draw made before distribute: subsample the MSA features, and twin a module "
+            "with subsample_msa=False"
+        )
+    cfg.update(
+        token_s=int(module.s_proj.in_features),
+        msa_blocks=len(module.layers),
+        activation_checkpointing=bool(module.activation_checkpointing),
+        use_paired_feature=bool(module.use_paired_feature),
+        subsample_msa=False,
+        num_subsampled_msa=int(module.num_subsampled_msa),
+    )
+    return cfg
+
+
 def _check_pair_bias(att: nn.Module) -> None:
     if not getattr(att, "compute_pair_bias", True):
         raise TypeError(
@@ -207,6 +274,12 @@ def twin_config(module: nn.Module) -> tuple[str, dict[str, Any]]:
         return kind, _noseq_layer_config(module)
     if kind == "PairformerNoSeqModule":
         return kind, _noseq_module_config(module)
+    if kind == "PairWeightedAveraging":
+        return kind, _pwa_config(module)
+    if kind == "MSALayer":
+        return kind, _msa_layer_config(module)
+    if kind == "MSAModule":
+        return kind, _msa_module_config(module)
     # PairformerModule
     if len(module.layers) == 0:
         raise TypeError("a boltz PairformerModule with no layers has nothing to twin")
@@ -233,6 +306,15 @@ def _twin_class(kind: str) -> type:
         from twinshard.pair.layers.pairformer import CPPairformerNoSeqLayer, CPPairformerNoSeqModule
 
         return CPPairformerNoSeqLayer if kind == "PairformerNoSeqLayer" else CPPairformerNoSeqModule
+    if kind in ("PairWeightedAveraging", "MSALayer", "MSAModule"):
+        from twinshard.pair.layers.msa import CPMSALayer, CPMSAModule
+        from twinshard.pair.layers.pair_averaging import CPPairWeightedAveraging
+
+        return {
+            "PairWeightedAveraging": CPPairWeightedAveraging,
+            "MSALayer": CPMSALayer,
+            "MSAModule": CPMSAModule,
+        }[kind]
     return {
         "TriangleMultiplicationOutgoing": L.CPTriangleMultiplicationOutgoing,
         "TriangleMultiplicationIncoming": L.CPTriangleMultiplicationIncoming,
@@ -246,8 +328,15 @@ def _twin_class(kind: str) -> type:
 
 # twins with dropout sites (they take ``convention``), and the lone layers among them (whose sites
 # get the serial layer's streams from ``assign_dropout_streams``)
-DROPOUT_KINDS = ("PairformerLayer", "PairformerModule", "PairformerNoSeqLayer", "PairformerNoSeqModule")
-LONE_LAYERS = ("PairformerLayer", "PairformerNoSeqLayer")
+DROPOUT_KINDS = (
+    "PairformerLayer",
+    "PairformerModule",
+    "PairformerNoSeqLayer",
+    "PairformerNoSeqModule",
+    "MSALayer",
+    "MSAModule",
+)
+LONE_LAYERS = ("PairformerLayer", "PairformerNoSeqLayer", "MSALayer")
 
 
 def cp_twin_of(module: nn.Module, convention: str = "boltz") -> nn.Module:
