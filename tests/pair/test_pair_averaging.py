@@ -11,6 +11,7 @@ What each test proves:
   rows, and without a mask (the padding from the layout).
 - ``test_cp_pwa_negative_controls``: a softmax normaliser summed over the wrong axis (i, not j),
   and one not summed over the grid row, each fail parity.
+- ``test_pwa_saved_bytes_per_rank``: saved-for-backward bytes per rank <= 1.25 x serial / P (2x2).
 """
 
 from __future__ import annotations
@@ -198,3 +199,45 @@ def test_cp_pwa_negative_controls(plant):
     ranks = run_on_grid(_rank, grid, 1, s, n, True, plant)
     with pytest.raises(AssertionError, match="pwa planted"):
         _check(grid, 1, s, n, ranks, what=f"pwa planted {plant}")
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+def _rank_saved(grid, b, s, n):
+    from twinshard.memory import SavedBytes
+
+    layout = PairLayout.for_sizes(n, grid, n_seqs=s)
+    serial = _serial()
+    twin = CPPairWeightedAveraging(CM, CZ, CH, H).double()
+    twin.load_state_dict(serial.state_dict())
+    m, z, mask = _inputs(b, s, n)
+    ms, zs = m.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    with SavedBytes() as saved:
+        out = serial(ms, zs, mask)
+    serial_bytes = saved.bytes
+    del out
+    md = shard_tensor(m, "msa", grid, layout).detach().requires_grad_(True)
+    zd = shard_tensor(z, "pair", grid, layout).detach().requires_grad_(True)
+    pm = shard_tensor(mask, "pair", grid, layout)
+    with SavedBytes() as saved:
+        out = twin(md, zd, pm)
+    del out
+    return serial_bytes, saved.bytes, sum(p.nbytes for p in serial.parameters())
+
+
+@pytest.mark.parametrize("grid,s,n,b", [((2, 2), 8, 8, 4)], ids=["2x2-S8-N8"])
+def test_pwa_saved_bytes_per_rank(grid, s, n, b):
+    """Saved-for-backward bytes per rank against serial / P (parameters, replicated, counted on
+    both sides; the ratio without them too)."""
+    ranks = run_on_grid(_rank_saved, grid, b, s, n)
+    p = grid[0] * grid[1]
+    serial, _, params = ranks[0]
+    worst = max(t for _, t, _ in ranks)
+    ratio, ratio_act = worst / (serial / p), (worst - params) / ((serial - params) / p)
+    print(
+        f"saved bytes pwa {grid_id(grid)} S={s} N={n} B={b}: serial {serial}, max per rank {worst}, "
+        f"ratio {ratio:.3f}; without parameters {ratio_act:.3f}"
+    )
+    assert ratio <= 1.25, f"saved bytes per rank {worst} > 1.25 x serial/P ({serial}/{p}): ratio {ratio:.3f}"
+    assert ratio_act <= 1.25, f"saved activation bytes per rank: ratio {ratio_act:.3f} > 1.25"
