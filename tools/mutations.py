@@ -943,6 +943,40 @@ MUTATIONS: list[Mutation] = [
         'f["profile"][b, :m] = one_hot(msa, NUM_TOKENS).to(torch.float64).sum(0).div(f["msa"].shape[1]).to(dt)',
         ("tests/pair/test_feature_contract.py",),
     ),
+    # -- the MSA module (issue 19): pair-weighted averaging's split softmax, s_proj's token block,
+    # the MSA dropout's global keys
+    M(
+        "pwa_softmax_wrong_axis",
+        "wrong axis",
+        "pair/layers/pair_averaging.py",
+        "total = p.sum(dim=2, keepdim=True)",
+        "total = p.sum(dim=1, keepdim=True)",
+        ("tests/pair/test_pair_averaging.py::test_cp_pwa_matches_serial",),
+    ),
+    M(
+        "pwa_normaliser_not_reduced",
+        "dropped all-reduce",
+        "pair/layers/pair_averaging.py",
+        "total = comm.all_reduce(total, grid.row_group)",
+        "total = total",
+        ("tests/pair/test_pair_averaging.py::test_cp_pwa_matches_serial",),
+    ),
+    M(
+        "msa_s_proj_row_block",
+        "wrong token block",
+        "pair/layers/msa.py",
+        "s_cols = single_to_column_block(F.linear(e, w_s), grid, (nr, nc))",
+        "s_cols = F.linear(e, w_s)",
+        ("tests/pair/test_msa_cp.py::test_cp_msa_module_matches_serial",),
+    ),
+    M(
+        "msa_dropout_local_key",
+        "local index",
+        "pair/layers/dropout.py",
+        "row_offset=off[-3]",
+        "row_offset=0",
+        ("tests/pair/test_msa_cp.py::test_cp_msa_module_matches_serial",),
+    ),
 ]
 
 

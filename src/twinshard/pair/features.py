@@ -232,6 +232,10 @@ def _plan(
         raise ValueError("distribute needs at least one single, pair or msa feature to know N")
     n = next(iter(ns.values()))
     s = next(iter(ss.values())) if ss else None
+    if s == 0:
+        raise ValueError(
+            f"MSA features {sorted(ss)} have depth S = 0: Boltz-2's MSA holds at least the query sequence"
+        )
     return PairLayout.for_sizes(n, grid_shape, s), kind_of
 
 

@@ -17,6 +17,11 @@ boltz                                                   twin
 ``layers.outer_product_mean.OuterProductMean``          ``CPOuterProductMean``
 ``layers.pairformer.PairformerLayer`` (``v2=True``)     ``CPPairformerLayer``
 ``layers.pairformer.PairformerModule`` (``v2=True``)    ``CPPairformerStack``
+``layers.pairformer.PairformerNoSeqLayer``              ``CPPairformerNoSeqLayer``
+``layers.pairformer.PairformerNoSeqModule``             ``CPPairformerNoSeqModule``
+``layers.pair_averaging.PairWeightedAveraging``          ``CPPairWeightedAveraging``
+``modules.trunkv2.MSALayer``                            ``CPMSALayer``
+``modules.trunkv2.MSAModule``                           ``CPMSAModule`` (``subsample_msa=False``)
 ======================================================  =========================================
 
 The twins' dropout follows Boltz's convention (``convention="boltz"``: row-wise masks
@@ -26,7 +31,11 @@ triangle attention and of the attention with pair bias is carried over.
 
 Not supported (a ``TypeError`` that says so): the version-1 ``AttentionPairBias`` (Boltz-1's
 Pairformer, ``v2=False``), ``AttentionPairBias(compute_pair_bias=False)``, the trifast/cuEquivariance
-kernels (a twin has its own kernels; the weights are the same), and any module not listed.
+kernels (a twin has its own kernels; the weights are the same), an ``MSAModule`` with
+``subsample_msa=True`` (its ``torch.randperm`` draw in forward: subsample the MSA features before
+``distribute`` instead), and any module not listed. Boltz's eval-mode chunking (``chunk_heads``,
+chunked transitions and triangle attention) computes the same functions and needs nothing. The
+MSA twins' dropout (MSA rows ``[B, S, 1, 1]`` and the pair stack's) follows the same convention.
 
 ``boltz`` is imported lazily inside the functions: importing twinshard never requires it, and a
 call without it raises an ``ImportError`` that says how to install it.
@@ -50,6 +59,11 @@ SUPPORTED = (
     "OuterProductMean",
     "PairformerLayer",
     "PairformerModule",
+    "PairformerNoSeqLayer",
+    "PairformerNoSeqModule",
+    "PairWeightedAveraging",
+    "MSALayer",
+    "MSAModule",
 )
 
 
@@ -59,6 +73,7 @@ def boltz_modules() -> dict[str, type]:
         from boltz.model.layers import pairformer
         from boltz.model.layers.attentionv2 import AttentionPairBias
         from boltz.model.layers.outer_product_mean import OuterProductMean
+        from boltz.model.layers.pair_averaging import PairWeightedAveraging
         from boltz.model.layers.transition import Transition
         from boltz.model.layers.triangular_attention.attention import (
             TriangleAttentionEndingNode,
@@ -68,6 +83,7 @@ def boltz_modules() -> dict[str, type]:
             TriangleMultiplicationIncoming,
             TriangleMultiplicationOutgoing,
         )
+        from boltz.model.modules.trunkv2 import MSALayer, MSAModule
     except ImportError as exc:
         raise ImportError(
             "twinshard.pair.interop.boltz needs the boltz package (Boltz-2, tested with boltz 2.2.1); "
@@ -84,6 +100,11 @@ def boltz_modules() -> dict[str, type]:
         "OuterProductMean": OuterProductMean,
         "PairformerLayer": pairformer.PairformerLayer,
         "PairformerModule": pairformer.PairformerModule,
+        "PairformerNoSeqLayer": pairformer.PairformerNoSeqLayer,
+        "PairformerNoSeqModule": pairformer.PairformerNoSeqModule,
+        "PairWeightedAveraging": PairWeightedAveraging,
+        "MSALayer": MSALayer,
+        "MSAModule": MSAModule,
     }
 
 
@@ -132,6 +153,80 @@ def _layer_config(layer: nn.Module) -> dict[str, Any]:
     }
 
 
+def _noseq_layer_config(layer: nn.Module) -> dict[str, Any]:
+    start = layer.tri_att_start
+    return {
+        "token_z": int(layer.token_z),
+        "dropout": float(layer.dropout),
+        "pairwise_head_width": int(start.c_hidden),
+        "pairwise_num_heads": int(start.no_heads),
+        "post_layer_norm": bool(layer.post_layer_norm),
+    }
+
+
+def _noseq_module_config(module: nn.Module) -> dict[str, Any]:
+    if len(module.layers) == 0:
+        raise TypeError("a boltz PairformerNoSeqModule with no layers has nothing to twin")
+    cfg = _noseq_layer_config(module.layers[0])
+    for i, layer in enumerate(module.layers):
+        if _noseq_layer_config(layer) != cfg:
+            raise TypeError(f"boltz PairformerNoSeqModule layer {i} differs in configuration from layer 0")
+    cfg.update(num_blocks=len(module.layers), activation_checkpointing=bool(module.activation_checkpointing))
+    return cfg
+
+
+def _pwa_config(pwa: nn.Module) -> dict[str, Any]:
+    return {
+        "c_m": int(pwa.c_m),
+        "c_z": int(pwa.c_z),
+        "c_h": int(pwa.c_h),
+        "num_heads": int(pwa.num_heads),
+        "inf": float(pwa.inf),
+    }
+
+
+def _msa_layer_config(layer: nn.Module) -> dict[str, Any]:
+    msa_s = _width(layer.msa_transition.norm)
+    if int(layer.msa_transition.fc1.out_features) != 4 * msa_s:
+        raise TypeError("a boltz MSALayer whose MSA transition is not 4 x msa_s wide has no CP twin")
+    pwa, noseq = layer.pair_weighted_averaging, layer.pairformer_layer
+    return {
+        "msa_s": msa_s,
+        "token_z": int(noseq.token_z),
+        "msa_dropout": float(layer.msa_dropout),
+        "z_dropout": float(noseq.dropout),
+        "pairwise_head_width": int(noseq.tri_att_start.c_hidden),
+        "pairwise_num_heads": int(noseq.tri_att_start.no_heads),
+        "pwa_heads": int(pwa.num_heads),
+        "pwa_head_width": int(pwa.c_h),
+        "opm_hidden": int(layer.outer_product_mean.c_hidden),
+    }
+
+
+def _msa_module_config(module: nn.Module) -> dict[str, Any]:
+    if len(module.layers) == 0:
+        raise TypeError("a boltz MSAModule with no layers has nothing to twin")
+    cfg = _msa_layer_config(module.layers[0])
+    for i, layer in enumerate(module.layers):
+        if _msa_layer_config(layer) != cfg:
+            raise TypeError(f"boltz MSAModule layer {i} differs in configuration from layer 0")
+    if bool(module.subsample_msa):
+        raise TypeError(
+            "a boltz MSAModule with subsample_msa=True draws torch.randperm in forward; its CP twin "
+            "needs the draw made before distribute: subsample the MSA features, and twin a module "
+            "with subsample_msa=False"
+        )
+    cfg.update(
+        token_s=int(module.s_proj.in_features),
+        msa_blocks=len(module.layers),
+        activation_checkpointing=bool(module.activation_checkpointing),
+        use_paired_feature=bool(module.use_paired_feature),
+        subsample_msa=False,
+        num_subsampled_msa=int(module.num_subsampled_msa),
+    )
+    return cfg
+
+
 def _check_pair_bias(att: nn.Module) -> None:
     if not getattr(att, "compute_pair_bias", True):
         raise TypeError(
@@ -175,6 +270,16 @@ def twin_config(module: nn.Module) -> tuple[str, dict[str, Any]]:
         }
     if kind == "PairformerLayer":
         return kind, _layer_config(module)
+    if kind == "PairformerNoSeqLayer":
+        return kind, _noseq_layer_config(module)
+    if kind == "PairformerNoSeqModule":
+        return kind, _noseq_module_config(module)
+    if kind == "PairWeightedAveraging":
+        return kind, _pwa_config(module)
+    if kind == "MSALayer":
+        return kind, _msa_layer_config(module)
+    if kind == "MSAModule":
+        return kind, _msa_module_config(module)
     # PairformerModule
     if len(module.layers) == 0:
         raise TypeError("a boltz PairformerModule with no layers has nothing to twin")
@@ -197,6 +302,19 @@ def _twin_class(kind: str) -> type:
                 f"the CP Pairformer (twinshard.pair.layers.pairformer) is not available: {exc}"
             ) from exc
         return CPPairformerLayer if kind == "PairformerLayer" else CPPairformerStack
+    if kind in ("PairformerNoSeqLayer", "PairformerNoSeqModule"):
+        from twinshard.pair.layers.pairformer import CPPairformerNoSeqLayer, CPPairformerNoSeqModule
+
+        return CPPairformerNoSeqLayer if kind == "PairformerNoSeqLayer" else CPPairformerNoSeqModule
+    if kind in ("PairWeightedAveraging", "MSALayer", "MSAModule"):
+        from twinshard.pair.layers.msa import CPMSALayer, CPMSAModule
+        from twinshard.pair.layers.pair_averaging import CPPairWeightedAveraging
+
+        return {
+            "PairWeightedAveraging": CPPairWeightedAveraging,
+            "MSALayer": CPMSALayer,
+            "MSAModule": CPMSAModule,
+        }[kind]
     return {
         "TriangleMultiplicationOutgoing": L.CPTriangleMultiplicationOutgoing,
         "TriangleMultiplicationIncoming": L.CPTriangleMultiplicationIncoming,
@@ -208,6 +326,19 @@ def _twin_class(kind: str) -> type:
     }[kind]
 
 
+# twins with dropout sites (they take ``convention``), and the lone layers among them (whose sites
+# get the serial layer's streams from ``assign_dropout_streams``)
+DROPOUT_KINDS = (
+    "PairformerLayer",
+    "PairformerModule",
+    "PairformerNoSeqLayer",
+    "PairformerNoSeqModule",
+    "MSALayer",
+    "MSAModule",
+)
+LONE_LAYERS = ("PairformerLayer", "PairformerNoSeqLayer", "MSALayer")
+
+
 def cp_twin_of(module: nn.Module, convention: str = "boltz") -> nn.Module:
     """The CP twin of a boltz module with its ``state_dict`` loaded unchanged (strict), in the
     module's dtype, on its device, in its training mode. ``convention`` picks the twin's dropout
@@ -215,10 +346,10 @@ def cp_twin_of(module: nn.Module, convention: str = "boltz") -> nn.Module:
     sites get the streams ``assign_dropout_streams`` gives the serial ``PairformerLayer``; a
     stack's are assigned by the stack from the sites' qualified names, as in serial."""
     kind, cfg = twin_config(module)
-    if kind in ("PairformerLayer", "PairformerModule"):
+    if kind in DROPOUT_KINDS:
         cfg["convention"] = convention
     twin = _twin_class(kind)(**cfg)
-    if kind == "PairformerLayer":  # a lone layer's dropout sites get the serial layer's streams
+    if kind in LONE_LAYERS:  # a lone layer's dropout sites get the serial layer's streams
         from twinshard.pair.reference.dropout import assign_dropout_streams
 
         assign_dropout_streams(twin)

@@ -66,7 +66,7 @@ from twinshard.pair.reference.norm import compute_dtype
 from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local
 from twinshard.runtime.grid import ProcessGrid
 
-__all__ = ["CPAttentionPairBias"]
+__all__ = ["CPAttentionPairBias", "single_to_column_block"]
 
 Moves = tuple[list[tuple[int, slice]], list[tuple[int, slice]], int]
 
@@ -132,6 +132,17 @@ class _MoveRows(torch.autograd.Function):
         for (_, rows), piece in zip(sends, got):
             gx[:, rows] += piece
         return gx, None
+
+
+def single_to_column_block(x: torch.Tensor, grid: ProcessGrid, n: tuple[int, int]) -> torch.Tensor:
+    """This rank's single rows ``x[B, Nr/R, ...]`` (row block r, replicated along the grid row)
+    -> the rows of the token block of its grid COLUMN, ``[B, Nc/C, ...]`` (rows beyond Nr zero):
+    the tokens of rank (r, c)'s pair columns and MSA columns. ``n``: the pair's (Nr, Nc).
+    Differentiable (:class:`_MoveRows`): one exchange forward; backward each piece's gradient
+    goes back to its sender and is added there, so every rank's gradient of ``x`` is a partial
+    that the caller sums over the grid row (``comm.sync_grad(x, grid.row_group)`` before the
+    move). Per rank at most ``Nc/C`` rows received."""
+    return _MoveRows.apply(x.contiguous(), _key_moves(grid, n))
 
 
 def _chunk(n: int, parts: int, index: int) -> tuple[int, int]:

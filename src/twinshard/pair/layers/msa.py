@@ -1,0 +1,309 @@
+"""CP twins of the MSA layer and module (AF3 Alg. 8, Boltz-2's ``MSALayer`` / ``MSAModule``).
+
+The serial modules in ``twinshard.pair.reference.msa`` are the specification (names, order,
+dropout streams); these run the same updates on a rows x cols grid.
+
+Placements. ``CPMSAModule(...)(z, emb, feats, seed=None) -> z``: ``z[B, Nr, Nc, token_z]`` pair at
+``(Shard(1), Shard(2))``, ``emb = s_inputs [B, Nr, token_s]`` single at ``(Shard(1),
+Replicate())``, ``feats`` the ``ShardedFeatures`` of ``twinshard.pair.features.distribute``
+(Boltz-2's names): ``msa`` (int), ``has_deletion``, ``deletion_value``, ``msa_paired`` and
+``msa_mask`` at the MSA placement ``[B, Sp, Nc]`` (sequences over grid rows, tokens over grid
+columns), ``token_pad_mask`` single. Out: the pair ``z`` (carrying its layout, padding exactly
+zero). ``CPMSALayer(z, m, token_mask, msa_mask, seed=None) -> (z, m)``: ``m`` MSA, ``token_mask``
+pair, ``msa_mask`` MSA (either mask may be None: padding from the layout).
+
+Computation on rank (r, c). The MSA input ``[one_hot(msa), has_deletion, deletion_value,
+msa_paired] W_msa`` is token-local on the MSA tile. ``s_proj(emb)`` is computed on the single
+rows of grid row r, then moved to the token block of grid column c
+(``pair.layers.attention.single_to_column_block``: one exchange) and broadcast over the tile's
+sequences. The pair token mask ``token_pad_mask_i token_pad_mask_j`` is built on the pair tile
+from the local single rows and the same move (no gradient). The layers: CP pair-weighted
+averaging, ``CPDropout`` (Boltz's row-wise MSA mask ``[B, S, 1, 1]``, each rank drawing its
+sequences' entries by global index), CP transition, CP outer product mean, the CP no-sequence
+Pairformer layer.
+
+Gradients. Parameters are replicated; every contribution is a true partial (distinct tiles),
+so their gradients are summed over the grid. ``emb``'s gradient: the move's adjoint returns
+partials to the senders, summed over the grid row (``comm.sync_grad``), where ``emb`` is
+replicated.
+
+Collectives. Forward: one ``agree_scalars`` check (module), the ``s_proj`` move and the token mask
+move (one exchange each, ``[B, Nc/C, msa_s]`` and ``[B, Nc/C]`` received per rank), then per
+layer those of its parts in order (pair-weighted averaging: row max all-gathers, a normaliser
+all-reduce and a grid contraction; outer product mean: two contractions; the no-sequence layer:
+two triangle multiplications and two triangle attentions). Backward: the parts' adjoints, the
+reverse move, one all-reduce of ``emb``'s gradient along the grid row and the parameter-gradient
+all-reduces.
+
+Memory saved for backward per rank: the parts' tile activations (MSA tile and pair tile:
+serial / P) and the moved ``s_proj`` rows (``[B, Nc/C, msa_s]``); nothing N x N beyond the tile.
+With ``activation_checkpointing`` each layer keeps its inputs' tiles and recomputes (every
+collective of the layer, in order, on every rank) in backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from twinshard import comm
+from twinshard.pair.features import layout_kind, layout_of, with_layout
+from twinshard.pair.layers.attention import single_to_column_block
+from twinshard.pair.layers.dropout import CPDropout
+from twinshard.pair.layers.outer_product import CPOuterProductMean
+from twinshard.pair.layers.pair_averaging import CPPairWeightedAveraging
+from twinshard.pair.layers.pairformer import CPPairformerNoSeqLayer
+from twinshard.pair.layers.tokenwise import pointwise, replicated_params
+from twinshard.pair.layers.transition import CPTransition
+from twinshard.pair.layers.triangle import pair_grid
+from twinshard.pair.reference.msa import (
+    build_msa_layer,
+    build_msa_module,
+    check_msa_features,
+    msa_input_features,
+)
+from twinshard.pair.tiling import MSA, PAIR, SINGLE, check_placements, from_local
+from twinshard.runtime.agree import agree_scalars
+
+__all__ = ["CPMSALayer", "CPMSAModule"]
+
+CP_MSA_PARTS = {
+    "transition": CPTransition,
+    "pwa": CPPairWeightedAveraging,
+    "noseq": CPPairformerNoSeqLayer,
+    "opm": CPOuterProductMean,
+    "dropout": CPDropout,
+}
+
+
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+class CPMSALayer(nn.Module):
+    """Context-parallel MSA layer (module docstring); the serial ``MSALayer``'s arguments,
+    parameters and dropout sites. ``forward(z, m, token_mask=None, msa_mask=None, seed=None) ->
+    (z, m)`` on DTensors."""
+
+    def __init__(
+        self,
+        msa_s: int,
+        token_z: int,
+        msa_dropout: float,
+        z_dropout: float,
+        pairwise_head_width: int = 32,
+        pairwise_num_heads: int = 4,
+        convention: str = "boltz",
+        pwa_heads: int = 8,
+        pwa_head_width: int = 32,
+        opm_hidden: int = 32,
+    ):
+        super().__init__()
+        build_msa_layer(
+            self,
+            CP_MSA_PARTS,
+            msa_s,
+            token_z,
+            msa_dropout,
+            z_dropout,
+            pairwise_head_width,
+            pairwise_num_heads,
+            convention,
+            pwa_heads,
+            pwa_head_width,
+            opm_hidden,
+        )
+
+    def forward(
+        self,
+        z: DTensor,
+        m: DTensor,
+        token_mask: DTensor | None = None,
+        msa_mask: DTensor | None = None,
+        seed: int | None = None,
+    ) -> tuple[DTensor, DTensor]:
+        what = type(self).__name__
+        if not isinstance(z, DTensor) or not isinstance(m, DTensor):
+            raise TypeError(f"{what} takes DTensors (z pair, m MSA) from twinshard.pair.features")
+        check_placements(z, PAIR, f"{what} input z", ndim=4)
+        check_placements(m, MSA, f"{what} input m", ndim=4)
+        m = pointwise(_add, m, self.dropout_msa(self.pair_weighted_averaging(m, z, token_mask), seed))
+        m = pointwise(_add, m, self.msa_transition(m))
+        z = pointwise(_add, z, self.outer_product_mean(m, msa_mask))
+        z = self.pairformer_layer(z, token_mask, seed)
+        return z, m
+
+
+def _rebuild(local: torch.Tensor, like: DTensor) -> DTensor:
+    out = from_local(local, like.device_mesh, like.placements)
+    layout = layout_of(like)
+    return out if layout is None else with_layout(out, layout, layout_kind(like))
+
+
+class CPMSAModule(nn.Module):
+    """Context-parallel MSA module (module docstring); the serial ``MSAModule``'s arguments,
+    parameters and dropout streams. ``forward(z, emb, feats, seed=None) -> z`` on DTensors and
+    the ``ShardedFeatures`` of ``distribute``. ``subsample_msa=True`` raises: subsample the MSA
+    features before ``distribute`` (what Boltz's draw does to them)."""
+
+    def __init__(
+        self,
+        msa_s: int,
+        token_z: int,
+        token_s: int,
+        msa_blocks: int,
+        msa_dropout: float,
+        z_dropout: float,
+        pairwise_head_width: int = 32,
+        pairwise_num_heads: int = 4,
+        activation_checkpointing: bool = False,
+        use_paired_feature: bool = True,
+        subsample_msa: bool = False,
+        num_subsampled_msa: int = 1024,
+        convention: str = "boltz",
+        pwa_heads: int = 8,
+        pwa_head_width: int = 32,
+        opm_hidden: int = 32,
+    ):
+        super().__init__()
+        build_msa_module(
+            self,
+            CPMSALayer,
+            msa_s,
+            token_z,
+            token_s,
+            msa_blocks,
+            msa_dropout,
+            z_dropout,
+            pairwise_head_width,
+            pairwise_num_heads,
+            activation_checkpointing,
+            use_paired_feature,
+            subsample_msa,
+            num_subsampled_msa,
+            convention,
+            pwa_heads,
+            pwa_head_width,
+            opm_hidden,
+        )
+
+    def control_scalars(self, seed: int | None, z: Any, emb: Any, feats: Mapping[str, Any]) -> dict[str, Any]:
+        """Values every rank's control flow depends on, checked equal before use."""
+        sites = [m for m in self.modules() if isinstance(m, CPDropout)]
+        layout = layout_of(z)
+        return {
+            "msa_blocks": len(self.layers),
+            "activation_checkpointing": self.activation_checkpointing,
+            "training": self.training,
+            "seed": seed,
+            "grad_enabled": torch.is_grad_enabled(),
+            "dropout_p": tuple(m.p for m in sites),
+            "dropout_convention": tuple(m.convention for m in sites),
+            "shapes": tuple(tuple(getattr(x, "shape", ())) for x in (z, emb)),
+            "dtypes": tuple(str(getattr(x, "dtype", None)) for x in (z, emb)),
+            "features": tuple(sorted((k, tuple(getattr(v, "shape", ()))) for k, v in feats.items())),
+            "n_tokens": None if layout is None else layout.n_tokens,
+        }
+
+    def _check(self, z: Any, emb: Any, feats: Mapping[str, Any]) -> None:
+        what = type(self).__name__
+        if self.subsample_msa:
+            raise ValueError(
+                f"{what}: subsample_msa=True draws a random subset (Boltz: torch.randperm) that every rank "
+                "and the serial model must share: subsample the MSA features (msa, has_deletion, "
+                "deletion_value, msa_paired, msa_mask) before distribute and build the module with "
+                "subsample_msa=False"
+            )
+        check_msa_features(feats, self.use_paired_feature, what)
+        if not isinstance(z, DTensor) or not isinstance(emb, DTensor):
+            raise TypeError(f"{what} takes DTensors (z pair, emb single) from twinshard.pair.features")
+        check_placements(z, PAIR, f"{what} input z", ndim=4)
+        check_placements(emb, SINGLE, f"{what} input emb", ndim=3)
+        names = ("msa", "has_deletion", "deletion_value", "msa_mask") + (
+            ("msa_paired",) if self.use_paired_feature else ()
+        )
+        msa = feats["msa"]
+        for k in names:
+            check_placements(feats[k], MSA, f"{what} feature {k!r}", ndim=3)
+            if tuple(feats[k].shape) != tuple(msa.shape):
+                raise ValueError(
+                    f"{what}: feature {k!r} {tuple(feats[k].shape)} differs from msa {tuple(msa.shape)}"
+                )
+        check_placements(feats["token_pad_mask"], SINGLE, f"{what} feature 'token_pad_mask'", ndim=2)
+        layout = layout_of(msa) or layout_of(z)
+        depth = msa.shape[1] if layout is None or layout.n_seqs is None else layout.n_seqs
+        if depth == 0:
+            raise ValueError(
+                f"{what}: feature 'msa' has depth S = 0: Boltz-2 needs at least the query sequence"
+            )
+        b, nr = emb.shape[:2]
+        if tuple(z.shape[:2]) != (b, nr) or msa.shape[0] != b or msa.shape[2] != z.shape[2]:
+            raise ValueError(
+                f"{what}: z {tuple(z.shape)}, emb {tuple(emb.shape)} and feature 'msa' {tuple(msa.shape)} "
+                "disagree on B or N"
+            )
+        if msa.dtype.is_floating_point:
+            raise TypeError(f"{what}: feature 'msa' must hold integer residue classes, got {msa.dtype}")
+
+    def forward(
+        self, z: DTensor, emb: DTensor, feats: Mapping[str, DTensor], seed: int | None = None
+    ) -> DTensor:
+        self._check(z, emb, feats)
+        agree_scalars(self.control_scalars(seed, z, emb, feats), type(self).__name__)
+        grid = pair_grid(z)
+        layout = layout_of(feats["msa"]) or layout_of(z)  # the MSA's: it knows the depth
+        f = msa_input_features(
+            feats["msa"].to_local(),
+            feats["has_deletion"].to_local(),
+            feats["deletion_value"].to_local(),
+            feats["msa_paired"].to_local() if self.use_paired_feature else None,
+            self.msa_proj.weight.dtype,
+        )
+        w_msa, w_s = replicated_params([self.msa_proj.weight, self.s_proj.weight], z)
+        nr, nc = z.shape[1], z.shape[2]
+        # s_proj on this grid row's single rows; the rows of this grid column's token block
+        e = comm.sync_grad(emb.to_local(), grid.row_group)  # replicated along the row
+        s_cols = single_to_column_block(F.linear(e, w_s), grid, (nr, nc))  # [B, Nc/C, msa_s]
+        m_local = F.linear(f, w_msa) + s_cols.unsqueeze(1)
+        m = from_local(m_local, z.device_mesh, MSA)
+        if layout is not None:
+            m = with_layout(m, layout, "msa")  # padded sequences and tokens exactly zero
+        tok = feats["token_pad_mask"].to_local().detach().to(z.dtype)
+        tok_cols = single_to_column_block(tok, grid, (nr, nc))
+        token_mask = from_local(tok[:, :, None] * tok_cols[:, None, :], z.device_mesh, PAIR)
+        if layout is not None:
+            token_mask = with_layout(token_mask, layout, "pair")
+        msa_mask = feats["msa_mask"]
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                z, m = self._checkpointed(layer, z, m, token_mask, msa_mask, seed)
+            else:
+                z, m = layer(z, m, token_mask, msa_mask, seed)
+        return z
+
+    @staticmethod
+    def _checkpointed(
+        layer: CPMSALayer,
+        z: DTensor,
+        m: DTensor,
+        token_mask: DTensor,
+        msa_mask: DTensor,
+        seed: int | None,
+    ) -> tuple[DTensor, DTensor]:
+        """One layer under non-reentrant checkpointing on local tiles (full recompute, every
+        collective of the layer in the forward order on every rank)."""
+
+        def run(z_local: torch.Tensor, m_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            zo, mo = layer(_rebuild(z_local, z), _rebuild(m_local, m), token_mask, msa_mask, seed)
+            return zo.to_local(), mo.to_local()
+
+        z_local, m_local = checkpoint(
+            run, z.to_local(), m.to_local(), use_reentrant=False, early_stop=False, preserve_rng_state=False
+        )
+        return _rebuild(z_local, z), _rebuild(m_local, m)
