@@ -422,7 +422,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "apb_key_rows_axes_swapped",
         "wrong block size",
-        "pair/layers/attention.py",
+        "pair/layers/moves.py",
         "nI, nJ = n[0] // R, n[1] // C",
         "nI, nJ = n[1] // R, n[0] // C",
         ("tests/pair/test_attention_pair_bias.py",),
