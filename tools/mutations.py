@@ -926,6 +926,23 @@ MUTATIONS: list[Mutation] = [
         "if False:",
         ("tests/atoms/test_checkpoint_provenance.py",),
     ),
+    # -- pair initialisation (issue 19)
+    M(
+        "relpos_columns_from_row_block",
+        "wrong block",
+        "pair/layers/pair_init.py",
+        "col = {k: col_ints[..., i].to(locs[i].dtype) for i, k in enumerate(RELPOS_KEYS)}",
+        "col = {k: locs[i] for i, k in enumerate(RELPOS_KEYS)}",
+        ("tests/pair/test_pair_init_cp.py",),
+    ),
+    M(
+        "z_init_columns_adjoint_not_returned",
+        "missing adjoint",
+        "pair/layers/moves.py",
+        "gx[:, rows] += piece",
+        "gx[:, rows] += 0 * piece",
+        ("tests/pair/test_pair_init_cp.py",),
+    ),
 ]
 
 
