@@ -17,6 +17,8 @@ boltz                                                   twin
 ``layers.outer_product_mean.OuterProductMean``          ``CPOuterProductMean``
 ``layers.pairformer.PairformerLayer`` (``v2=True``)     ``CPPairformerLayer``
 ``layers.pairformer.PairformerModule`` (``v2=True``)    ``CPPairformerStack``
+``layers.pairformer.PairformerNoSeqLayer``              ``CPPairformerNoSeqLayer``
+``layers.pairformer.PairformerNoSeqModule``             ``CPPairformerNoSeqModule``
 ======================================================  =========================================
 
 The twins' dropout follows Boltz's convention (``convention="boltz"``: row-wise masks
@@ -50,6 +52,8 @@ SUPPORTED = (
     "OuterProductMean",
     "PairformerLayer",
     "PairformerModule",
+    "PairformerNoSeqLayer",
+    "PairformerNoSeqModule",
 )
 
 
@@ -84,6 +88,8 @@ def boltz_modules() -> dict[str, type]:
         "OuterProductMean": OuterProductMean,
         "PairformerLayer": pairformer.PairformerLayer,
         "PairformerModule": pairformer.PairformerModule,
+        "PairformerNoSeqLayer": pairformer.PairformerNoSeqLayer,
+        "PairformerNoSeqModule": pairformer.PairformerNoSeqModule,
     }
 
 
@@ -132,6 +138,28 @@ def _layer_config(layer: nn.Module) -> dict[str, Any]:
     }
 
 
+def _noseq_layer_config(layer: nn.Module) -> dict[str, Any]:
+    start = layer.tri_att_start
+    return {
+        "token_z": int(layer.token_z),
+        "dropout": float(layer.dropout),
+        "pairwise_head_width": int(start.c_hidden),
+        "pairwise_num_heads": int(start.no_heads),
+        "post_layer_norm": bool(layer.post_layer_norm),
+    }
+
+
+def _noseq_module_config(module: nn.Module) -> dict[str, Any]:
+    if len(module.layers) == 0:
+        raise TypeError("a boltz PairformerNoSeqModule with no layers has nothing to twin")
+    cfg = _noseq_layer_config(module.layers[0])
+    for i, layer in enumerate(module.layers):
+        if _noseq_layer_config(layer) != cfg:
+            raise TypeError(f"boltz PairformerNoSeqModule layer {i} differs in configuration from layer 0")
+    cfg.update(num_blocks=len(module.layers), activation_checkpointing=bool(module.activation_checkpointing))
+    return cfg
+
+
 def _check_pair_bias(att: nn.Module) -> None:
     if not getattr(att, "compute_pair_bias", True):
         raise TypeError(
@@ -175,6 +203,10 @@ def twin_config(module: nn.Module) -> tuple[str, dict[str, Any]]:
         }
     if kind == "PairformerLayer":
         return kind, _layer_config(module)
+    if kind == "PairformerNoSeqLayer":
+        return kind, _noseq_layer_config(module)
+    if kind == "PairformerNoSeqModule":
+        return kind, _noseq_module_config(module)
     # PairformerModule
     if len(module.layers) == 0:
         raise TypeError("a boltz PairformerModule with no layers has nothing to twin")
@@ -197,6 +229,10 @@ def _twin_class(kind: str) -> type:
                 f"the CP Pairformer (twinshard.pair.layers.pairformer) is not available: {exc}"
             ) from exc
         return CPPairformerLayer if kind == "PairformerLayer" else CPPairformerStack
+    if kind in ("PairformerNoSeqLayer", "PairformerNoSeqModule"):
+        from twinshard.pair.layers.pairformer import CPPairformerNoSeqLayer, CPPairformerNoSeqModule
+
+        return CPPairformerNoSeqLayer if kind == "PairformerNoSeqLayer" else CPPairformerNoSeqModule
     return {
         "TriangleMultiplicationOutgoing": L.CPTriangleMultiplicationOutgoing,
         "TriangleMultiplicationIncoming": L.CPTriangleMultiplicationIncoming,
@@ -208,6 +244,12 @@ def _twin_class(kind: str) -> type:
     }[kind]
 
 
+# twins with dropout sites (they take ``convention``), and the lone layers among them (whose sites
+# get the serial layer's streams from ``assign_dropout_streams``)
+DROPOUT_KINDS = ("PairformerLayer", "PairformerModule", "PairformerNoSeqLayer", "PairformerNoSeqModule")
+LONE_LAYERS = ("PairformerLayer", "PairformerNoSeqLayer")
+
+
 def cp_twin_of(module: nn.Module, convention: str = "boltz") -> nn.Module:
     """The CP twin of a boltz module with its ``state_dict`` loaded unchanged (strict), in the
     module's dtype, on its device, in its training mode. ``convention`` picks the twin's dropout
@@ -215,10 +257,10 @@ def cp_twin_of(module: nn.Module, convention: str = "boltz") -> nn.Module:
     sites get the streams ``assign_dropout_streams`` gives the serial ``PairformerLayer``; a
     stack's are assigned by the stack from the sites' qualified names, as in serial."""
     kind, cfg = twin_config(module)
-    if kind in ("PairformerLayer", "PairformerModule"):
+    if kind in DROPOUT_KINDS:
         cfg["convention"] = convention
     twin = _twin_class(kind)(**cfg)
-    if kind == "PairformerLayer":  # a lone layer's dropout sites get the serial layer's streams
+    if kind in LONE_LAYERS:  # a lone layer's dropout sites get the serial layer's streams
         from twinshard.pair.reference.dropout import assign_dropout_streams
 
         assign_dropout_streams(twin)

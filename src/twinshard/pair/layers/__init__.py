@@ -11,7 +11,13 @@ from twinshard.pair.layers.dropout import CPDropout
 from twinshard.pair.layers.linear import CPLinear
 from twinshard.pair.layers.norm import CPLayerNorm
 from twinshard.pair.layers.outer_product import CPOuterProductMean
-from twinshard.pair.layers.pairformer import CPPairformerLayer, CPPairformerStack
+from twinshard.pair.layers.pair_averaging import CPPairWeightedAveraging
+from twinshard.pair.layers.pairformer import (
+    CPPairformerLayer,
+    CPPairformerNoSeqLayer,
+    CPPairformerNoSeqModule,
+    CPPairformerStack,
+)
 from twinshard.pair.layers.tokenwise import TokenwiseTwin, grad_group, pointwise, replicated_params
 from twinshard.pair.layers.transition import CPTransition
 from twinshard.pair.layers.triangle import (
@@ -32,7 +38,10 @@ __all__ = [
     "CPLayerNorm",
     "CPLinear",
     "CPOuterProductMean",
+    "CPPairWeightedAveraging",
     "CPPairformerLayer",
+    "CPPairformerNoSeqLayer",
+    "CPPairformerNoSeqModule",
     "CPPairformerStack",
     "CPTransition",
     "CPTriangleAttention",

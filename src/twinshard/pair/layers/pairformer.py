@@ -41,6 +41,14 @@ the same point of the same backward graph). Saved per layer: its inputs' local t
 (``s`` and ``z``); the recompute peak is one layer's saved activations on the tile, so a stack
 of L layers holds L layer inputs plus one layer's activations per rank.
 
+The no-sequence layer and stack (``CPPairformerNoSeqLayer``, ``CPPairformerNoSeqModule``: Boltz-2's
+``PairformerNoSeqLayer``/``PairformerNoSeqModule``, the pair stack of the MSA and template
+modules) run the pair half alone: ``z`` in and out at ``(Shard(1), Shard(2))``, optional
+``pair_mask`` (pair), the same four triangle parts, dropout sites and transition as the pair half
+above, the same collectives (two triangle multiplications, two triangle attentions, the
+parameter-gradient all-reduces), the module one ``agree_scalars`` per forward; saved per rank
+serial / P (tiles only, nothing N x N).
+
 Memory saved for backward per rank (no checkpointing): the parts' tile activations, serial / P
 for the pair-sized terms (the single-track terms are serial / rows; they are O(N c_s), not
 O(N^2)).
@@ -66,11 +74,23 @@ from twinshard.pair.layers.triangle_attention import (
     CPTriangleAttentionEndingNode,
     CPTriangleAttentionStartingNode,
 )
-from twinshard.pair.reference.pairformer import PairformerParts, build_layer, build_stack
+from twinshard.pair.reference.pairformer import (
+    PairformerParts,
+    build_layer,
+    build_noseq_layer,
+    build_noseq_stack,
+    build_stack,
+)
 from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local
 from twinshard.runtime.agree import agree_scalars  # re-exported: it moved to the runtime
 
-__all__ = ["CPPairformerLayer", "CPPairformerStack", "agree_scalars"]
+__all__ = [
+    "CPPairformerLayer",
+    "CPPairformerNoSeqLayer",
+    "CPPairformerNoSeqModule",
+    "CPPairformerStack",
+    "agree_scalars",
+]
 
 
 def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -293,3 +313,125 @@ class CPPairformerStack(_PlainArgs, nn.Module):
             run, s.to_local(), z.to_local(), use_reentrant=False, early_stop=False, preserve_rng_state=False
         )
         return _rebuild(s_local, s), _rebuild(z_local, z)
+
+
+class _PlainPairArgs:
+    """How ``twinshard.pair.layers.boundary.plain`` feeds the caller's full tensors."""
+
+    PLAIN_IN_KINDS = {"z": "pair", "pair_mask": "pair"}
+
+
+def _check_noseq_input(z: Any, what: str) -> None:
+    if not isinstance(z, DTensor):
+        raise TypeError(
+            f"{what} takes a DTensor z (pair); for plain tensors wrap it with "
+            "twinshard.pair.layers.boundary.plain(module, grid)"
+        )
+    check_placements(z, PAIR, f"{what} input z", ndim=4)
+    if z.shape[1] != z.shape[2] and layout_of(z) is None:
+        raise ValueError(f"{what}: expected z[B, N, N, c_z], got {tuple(z.shape)}")
+
+
+class CPPairformerNoSeqLayer(_PlainPairArgs, nn.Module):
+    """Context-parallel ``PairformerNoSeqLayer``: the pair half of ``CPPairformerLayer`` alone
+    (module docstring). ``forward(z, pair_mask=None, seed=None) -> z`` on DTensors."""
+
+    def __init__(
+        self,
+        token_z: int,
+        dropout: float = 0.25,
+        pairwise_head_width: int = 32,
+        pairwise_num_heads: int = 4,
+        post_layer_norm: bool = False,
+        convention: str = "boltz",
+    ):
+        super().__init__()
+        build_noseq_layer(
+            self,
+            CP_PARTS,
+            token_z,
+            dropout,
+            pairwise_head_width,
+            pairwise_num_heads,
+            post_layer_norm,
+            convention,
+        )
+
+    pair_stack = CPPairformerLayer.pair_stack
+
+    def forward(self, z: DTensor, pair_mask: DTensor | None = None, seed: int | None = None) -> DTensor:
+        _check_noseq_input(z, type(self).__name__)
+        return self.pair_stack(z, pair_mask, seed)
+
+    def extra_repr(self) -> str:
+        return f"token_z={self.token_z}, dropout={self.dropout}, convention={self.convention!r}"
+
+
+class CPPairformerNoSeqModule(_PlainPairArgs, nn.Module):
+    """``num_blocks`` CP no-sequence layers (the serial ``PairformerNoSeqModule``'s arguments,
+    names and dropout streams); one ``agree_scalars`` per forward, checkpointing as
+    ``CPPairformerStack``."""
+
+    def __init__(
+        self,
+        token_z: int,
+        num_blocks: int,
+        dropout: float = 0.25,
+        pairwise_head_width: int = 32,
+        pairwise_num_heads: int = 4,
+        post_layer_norm: bool = False,
+        activation_checkpointing: bool = False,
+        convention: str = "boltz",
+    ):
+        super().__init__()
+        build_noseq_stack(
+            self,
+            CPPairformerNoSeqLayer,
+            token_z,
+            num_blocks,
+            dropout,
+            pairwise_head_width,
+            pairwise_num_heads,
+            post_layer_norm,
+            activation_checkpointing,
+            convention,
+        )
+
+    def control_scalars(
+        self, seed: int | None, z: Any = None, pair_mask: DTensor | None = None
+    ) -> dict[str, Any]:
+        """As ``CPPairformerStack.control_scalars``, for ``z`` alone."""
+        sites = [m for m in self.modules() if isinstance(m, CPDropout)]
+        layout = layout_of(z)
+        return {
+            "num_blocks": len(self.layers),
+            "activation_checkpointing": self.activation_checkpointing,
+            "training": self.training,
+            "seed": seed,
+            "grad_enabled": torch.is_grad_enabled(),
+            "dropout_p": tuple(m.p for m in sites),
+            "dropout_convention": tuple(m.convention for m in sites),
+            "pair_mask": pair_mask is not None,
+            "shape": tuple(getattr(z, "shape", ())),
+            "dtype": str(getattr(z, "dtype", None)),
+            "n_tokens": None if layout is None else layout.n_tokens,
+        }
+
+    def forward(self, z: DTensor, pair_mask: DTensor | None = None, seed: int | None = None) -> DTensor:
+        """Run the layers in order: ``z -> z`` (arguments as ``CPPairformerNoSeqLayer``)."""
+        agree_scalars(self.control_scalars(seed, z, pair_mask), type(self).__name__)
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+
+                def run(z_local: torch.Tensor, layer: nn.Module = layer, like: DTensor = z) -> torch.Tensor:
+                    return layer(_rebuild(z_local, like), pair_mask, seed).to_local()
+
+                z = _rebuild(
+                    checkpoint(
+                        run, z.to_local(), use_reentrant=False, early_stop=False, preserve_rng_state=False
+                    ),
+                    z,
+                )
+            else:
+                z = layer(z, pair_mask, seed)
+        return z

@@ -14,9 +14,16 @@ from twinshard.pair.reference.dropout import (
     stream_id,
 )
 from twinshard.pair.reference.linear import Linear, init_linear
+from twinshard.pair.reference.msa import MSALayer, MSAModule
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 from twinshard.pair.reference.outer_product import OuterProductMean
-from twinshard.pair.reference.pairformer import PairformerLayer, PairformerStack
+from twinshard.pair.reference.pair_averaging import PairWeightedAveraging
+from twinshard.pair.reference.pairformer import (
+    PairformerLayer,
+    PairformerNoSeqLayer,
+    PairformerNoSeqModule,
+    PairformerStack,
+)
 from twinshard.pair.reference.transition import Transition
 from twinshard.pair.reference.triangle import (
     TriangleMultiplication,
@@ -36,8 +43,13 @@ __all__ = [
     "Dropout",
     "LayerNorm",
     "Linear",
+    "MSALayer",
+    "MSAModule",
     "OuterProductMean",
+    "PairWeightedAveraging",
     "PairformerLayer",
+    "PairformerNoSeqLayer",
+    "PairformerNoSeqModule",
     "PairformerStack",
     "Transition",
     "TriangleAttention",

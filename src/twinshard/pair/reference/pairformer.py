@@ -46,7 +46,7 @@ from twinshard.pair.reference.triangle_attention import (
     TriangleAttentionStartingNode,
 )
 
-__all__ = ["PairformerLayer", "PairformerStack"]
+__all__ = ["PairformerLayer", "PairformerNoSeqLayer", "PairformerNoSeqModule", "PairformerStack"]
 
 
 @dataclass(frozen=True)
@@ -269,3 +269,155 @@ class PairformerStack(nn.Module):
             else:
                 s, z = layer(s, z, mask, pair_mask, seed)
         return s, z
+
+
+# -- the pair half alone (Boltz-2's PairformerNoSeqLayer / PairformerNoSeqModule) -----------------
+
+
+def build_noseq_layer(
+    layer: nn.Module,
+    parts: PairformerParts,
+    token_z: int,
+    dropout: float,
+    pairwise_head_width: int,
+    pairwise_num_heads: int,
+    post_layer_norm: bool,
+    convention: str,
+) -> None:
+    """Register a no-sequence Pairformer layer's settings and parts on ``layer`` in Boltz-2's
+    order: ``tri_mul_out, tri_mul_in, tri_att_start, tri_att_end, transition_z``, then the four
+    parameterless dropout sites. ``post_layer_norm`` is stored, as Boltz stores it, and never
+    applied (Boltz's ``PairformerNoSeqLayer`` has no normalisation after the transition)."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"dropout convention must be one of {CONVENTIONS}, got {convention!r}")
+    layer.token_z = token_z
+    layer.dropout = float(dropout)
+    layer.post_layer_norm = bool(post_layer_norm)
+    layer.convention = convention
+    layer.tri_mul_out = parts.tri_mul_out(token_z)
+    layer.tri_mul_in = parts.tri_mul_in(token_z)
+    layer.tri_att_start = parts.tri_att_start(token_z, pairwise_head_width, pairwise_num_heads, inf=1e9)
+    layer.tri_att_end = parts.tri_att_end(token_z, pairwise_head_width, pairwise_num_heads, inf=1e9)
+    layer.transition_z = parts.transition(token_z, 4 * token_z)
+    layer.dropout_tri_mul_out = parts.dropout(dropout, convention=convention)
+    layer.dropout_tri_mul_in = parts.dropout(dropout, convention=convention)
+    layer.dropout_tri_att_start = parts.dropout(dropout, convention=convention)
+    layer.dropout_tri_att_end = parts.dropout(dropout, columnwise=True, convention=convention)
+
+
+def build_noseq_stack(
+    stack: nn.Module,
+    layer_cls: type[nn.Module],
+    token_z: int,
+    num_blocks: int,
+    dropout: float,
+    pairwise_head_width: int,
+    pairwise_num_heads: int,
+    post_layer_norm: bool,
+    activation_checkpointing: bool,
+    convention: str,
+) -> None:
+    """``num_blocks`` no-sequence layers on ``stack.layers``, then one dropout stream per site
+    from its qualified name (the same for the serial module and its twin)."""
+    stack.token_z = token_z
+    stack.num_blocks = int(num_blocks)
+    stack.dropout = float(dropout)
+    stack.post_layer_norm = bool(post_layer_norm)
+    stack.activation_checkpointing = bool(activation_checkpointing)
+    layer_args = (dropout, pairwise_head_width, pairwise_num_heads, post_layer_norm, convention)
+    stack.layers = nn.ModuleList(layer_cls(token_z, *layer_args) for _ in range(stack.num_blocks))
+    assign_dropout_streams(stack)
+
+
+def check_pair_input(z: torch.Tensor, what: str) -> None:
+    if z.dim() != 4 or z.shape[1] != z.shape[2]:
+        raise ValueError(f"{what}: expected z[B, N, N, c_z], got {tuple(z.shape)}")
+
+
+class PairformerNoSeqLayer(nn.Module):
+    """The pair half of a Pairformer layer (Boltz-2's ``PairformerNoSeqLayer``, used by the MSA
+    and template modules)::
+
+        z <- z + Dropout_row(TriangleMultiplicationOutgoing(z, pair_mask))
+        z <- z + Dropout_row(TriangleMultiplicationIncoming(z, pair_mask))
+        z <- z + Dropout_row(TriangleAttentionStartingNode(z, pair_mask))
+        z <- z + Dropout_col(TriangleAttentionEndingNode(z, pair_mask))
+        z <- z + Transition(z)
+
+    ``forward(z, pair_mask=None, seed=None) -> z``; dropout as ``PairformerLayer`` (a lone
+    layer needs ``assign_dropout_streams``; ``seed`` in training mode with dropout)."""
+
+    def __init__(
+        self,
+        token_z: int,
+        dropout: float = 0.25,
+        pairwise_head_width: int = 32,
+        pairwise_num_heads: int = 4,
+        post_layer_norm: bool = False,
+        convention: str = "boltz",
+    ):
+        super().__init__()
+        build_noseq_layer(
+            self,
+            SERIAL_PARTS,
+            token_z,
+            dropout,
+            pairwise_head_width,
+            pairwise_num_heads,
+            post_layer_norm,
+            convention,
+        )
+
+    pair_stack = PairformerLayer.pair_stack
+
+    def forward(
+        self, z: torch.Tensor, pair_mask: torch.Tensor | None = None, seed: int | None = None
+    ) -> torch.Tensor:
+        check_pair_input(z, type(self).__name__)
+        if pair_mask is None:
+            pair_mask = z.new_ones(z.shape[:3])
+        return self.pair_stack(z, pair_mask, seed)
+
+    def extra_repr(self) -> str:
+        return f"token_z={self.token_z}, dropout={self.dropout}, convention={self.convention!r}"
+
+
+class PairformerNoSeqModule(nn.Module):
+    """``num_blocks`` no-sequence Pairformer layers in sequence (Boltz-2's
+    ``PairformerNoSeqModule``): ``forward(z, pair_mask=None, seed=None) -> z``. Dropout streams
+    and activation checkpointing as ``PairformerStack``."""
+
+    def __init__(
+        self,
+        token_z: int,
+        num_blocks: int,
+        dropout: float = 0.25,
+        pairwise_head_width: int = 32,
+        pairwise_num_heads: int = 4,
+        post_layer_norm: bool = False,
+        activation_checkpointing: bool = False,
+        convention: str = "boltz",
+    ):
+        super().__init__()
+        build_noseq_stack(
+            self,
+            PairformerNoSeqLayer,
+            token_z,
+            num_blocks,
+            dropout,
+            pairwise_head_width,
+            pairwise_num_heads,
+            post_layer_norm,
+            activation_checkpointing,
+            convention,
+        )
+
+    def forward(
+        self, z: torch.Tensor, pair_mask: torch.Tensor | None = None, seed: int | None = None
+    ) -> torch.Tensor:
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                z = checkpoint(layer, z, pair_mask, seed, use_reentrant=False)
+            else:
+                z = layer(z, pair_mask, seed)
+        return z
