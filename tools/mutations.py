@@ -943,6 +943,23 @@ MUTATIONS: list[Mutation] = [
         "gx[:, rows] += 0 * piece",
         ("tests/pair/test_pair_init_cp.py",),
     ),
+    # -- template module (issue 19)
+    M(
+        "template_average_over_padded",
+        "mask ignored",
+        "pair/layers/template.py",
+        'counted = here if t == 0 else P.all_reduce(here, grid.col_group, op="template:counted") > 0',
+        "counted = torch.ones_like(here, dtype=torch.bool)",
+        ("tests/pair/test_template_cp.py",),
+    ),
+    M(
+        "template_frame_not_transposed",
+        "wrong transpose",
+        "pair/reference/template.py",
+        'rot_t = col["template_frame_rot"].unsqueeze(2).transpose(-1, -2)',
+        'rot_t = col["template_frame_rot"].unsqueeze(2)',
+        ("tests/pair/test_template_cp.py",),
+    ),
 ]
 
 
