@@ -131,3 +131,40 @@ def test_template_pair_features_vs_loops():
                 want = torch.cat([want, f["template_restype"][i].double(), f["template_restype"][j].double()])
                 torch.testing.assert_close(a[0, tt, i, j], want, rtol=1e-13, atol=1e-13)
     assert float(a[..., : m.num_bins].argmax(-1).float().std()) > 0  # several bins are hit
+
+
+def _rank_dropout(grid, n):
+    serial = _serial(2)
+    kw = dict(KW, dropout=0.25)
+    twin = CPTemplateV2Module(CZ, TD, **kw).double()
+    twin.load_state_dict(serial.state_dict())
+    twin.train()
+    feats, z = _inputs(2, 3, n)
+    fd = distribute(feats, grid)
+    z = z.requires_grad_(True)
+    zd = shard_tensor(z, "pair", grid, fd.layout)
+    out = collect_tensor(twin(zd, fd, fd["pair_mask"], seed=11))
+    out.backward(random_grad_output(out, seed=6))
+    return TwinResult(
+        out=out.detach(),
+        grads_in={"z": collect_grad(z.grad, "pair", grid)},
+        param_grads={k: p.grad for k, p in twin.named_parameters()},
+        shards={"z": real_part(zd)},
+        params=parameter_signature(twin),
+    )
+
+
+def test_cp_template_dropout_matches_serial():
+    """Training mode with Boltz's template dropout (p = 0.25): the template Pairformer's masks on
+    the B*T pair tensors are keyed by global index, so the twin equals serial (2x2, N = 7)."""
+    ranks = run_on_grid(_rank_dropout, (2, 2), 7)
+    torch.manual_seed(3)
+    serial = TemplateV2Module(CZ, TD, **dict(KW, dropout=0.25)).double()
+    serial.load_state_dict(_serial(2).state_dict())
+    serial.train()
+    feats, z = _inputs(2, 3, 7)
+    ref = serial_reference(
+        serial, lambda z: serial(z, feats, feats["pair_mask"], seed=11), {"z": z}, grad_seed=6
+    )
+    check_twin(what="template v2 dropout 0.25 N=7", grid="2x2", ranks=ranks, **ref)
+    assert not torch.equal(ref["serial_out"], _serial(2).eval()(z, feats, feats["pair_mask"]).detach())
