@@ -422,7 +422,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "apb_key_rows_axes_swapped",
         "wrong block size",
-        "pair/layers/attention.py",
+        "pair/layers/moves.py",
         "nI, nJ = n[0] // R, n[1] // C",
         "nI, nJ = n[1] // R, n[0] // C",
         ("tests/pair/test_attention_pair_bias.py",),
@@ -965,7 +965,7 @@ MUTATIONS: list[Mutation] = [
         "msa_s_proj_row_block",
         "wrong token block",
         "pair/layers/msa.py",
-        "s_cols = single_to_column_block(F.linear(e, w_s), grid, (nr, nc))",
+        's_cols = column_block(F.linear(e, w_s), grid, (nr, nc), "msa:s_proj")',
         "s_cols = F.linear(e, w_s)",
         ("tests/pair/test_msa_cp.py::test_cp_msa_module_matches_serial",),
     ),
@@ -976,6 +976,40 @@ MUTATIONS: list[Mutation] = [
         "row_offset=off[-3]",
         "row_offset=0",
         ("tests/pair/test_msa_cp.py::test_cp_msa_module_matches_serial",),
+    ),
+    # -- pair initialisation (issue 19)
+    M(
+        "relpos_columns_from_row_block",
+        "wrong block",
+        "pair/layers/pair_init.py",
+        "col = {k: col_ints[..., i].to(locs[i].dtype) for i, k in enumerate(RELPOS_KEYS)}",
+        "col = {k: locs[i] for i, k in enumerate(RELPOS_KEYS)}",
+        ("tests/pair/test_pair_init_cp.py",),
+    ),
+    M(
+        "z_init_columns_adjoint_not_returned",
+        "missing adjoint",
+        "pair/layers/moves.py",
+        "gx[:, rows] += piece",
+        "gx[:, rows] += 0 * piece",
+        ("tests/pair/test_pair_init_cp.py",),
+    ),
+    # -- template module (issue 19)
+    M(
+        "template_average_over_padded",
+        "mask ignored",
+        "pair/layers/template.py",
+        'counted = here if t == 0 else P.all_reduce(here, grid.col_group, op="template:counted") > 0',
+        "counted = torch.ones_like(here, dtype=torch.bool)",
+        ("tests/pair/test_template_cp.py",),
+    ),
+    M(
+        "template_frame_not_transposed",
+        "wrong transpose",
+        "pair/reference/template.py",
+        'rot_t = col["template_frame_rot"].unsqueeze(2).transpose(-1, -2)',
+        'rot_t = col["template_frame_rot"].unsqueeze(2)',
+        ("tests/pair/test_template_cp.py",),
     ),
 ]
 

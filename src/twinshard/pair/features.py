@@ -153,6 +153,19 @@ PLACEMENT_TABLE: dict[str, str] = {
     "method_feature": "single",  # [B, N]: Boltz featurises the method per token
     # per-sample
     "num_tokens": "sample",
+    # relative positions of cyclic chains (per token)
+    "cyclic_period": "single",
+    # template features [B, T, N, ...] (Boltz-2's featuriser; T whole, tokens over grid rows)
+    "template_restype": "template",
+    "template_frame_rot": "template",
+    "template_frame_t": "template",
+    "template_mask_frame": "template",
+    "template_cb": "template",
+    "template_ca": "template",
+    "template_mask_cb": "template",
+    "template_mask": "template",
+    "query_to_template": "template",
+    "visibility_ids": "template",
 }
 
 
@@ -228,6 +241,14 @@ def _plan(
         raise ValueError(f"features disagree on the token count N: {ns}")
     if len(set(ss.values())) > 1:
         raise ValueError(f"MSA features disagree on the depth S: {ss}")
+    ts = {k: meta[k][0][1] for k, kind in kind_of.items() if kind == "template"}
+    short = [k for k in ts if len(meta[k][0]) < 3]
+    if short:
+        raise ValueError(
+            f"template features {short} must be [B, T, N, ...], got {[meta[k][0] for k in short]}"
+        )
+    if len(set(ts.values())) > 1:
+        raise ValueError(f"template features disagree on the number of templates T: {ts}")
     if not ns:
         raise ValueError("distribute needs at least one single, pair or msa feature to know N")
     n = next(iter(ns.values()))

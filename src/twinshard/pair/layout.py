@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from twinshard.pair.tiling import (
     MSA,
@@ -52,11 +52,14 @@ KINDS: dict[str, tuple[Placement, ...]] = {
     "pair": PAIR,
     "msa": MSA,
     "sample": SAMPLE,
+    # per-template per-token features [B, T, N, ...]: tokens split over grid rows like single
+    "template": (Shard(2), Replicate()),
 }
 
 
 # Token dims of each kind -> the grid axis (0: rows, 1: cols) that splits them; sequence dim.
 _TOKEN_DIMS: dict[str, dict[int, int]] = {"single": {1: 0}, "pair": {1: 0, 2: 1}, "msa": {2: 1}, "sample": {}}
+_TOKEN_DIMS["template"] = {2: 0}
 _SEQ_DIM = {"msa": 1}
 
 
@@ -192,10 +195,11 @@ def padding_keep(x: DTensor, layout: PairLayout, kind: str) -> torch.Tensor | No
     dims = sorted(set(_TOKEN_DIMS[kind]) | ({_SEQ_DIM[kind]} if kind in _SEQ_DIM else set()))
     if all(glob[d].stop <= real[d] for d in dims):
         return None
-    keep = torch.ones((1,) * (1 + len(dims)), dtype=torch.bool, device=x.device)
-    for i, d in enumerate(dims, start=1):
+    nd = 1 + max(dims)  # the kept dims need not follow the batch dim (template: [B, T, N])
+    keep = torch.ones((1,) * nd, dtype=torch.bool, device=x.device)
+    for d in dims:
         idx = torch.arange(glob[d].start, glob[d].stop, device=x.device) < real[d]
-        keep = keep & idx.view((1,) * i + (-1,) + (1,) * (len(dims) - i))
+        keep = keep & idx.view((1,) * d + (-1,) + (1,) * (nd - 1 - d))
     return keep
 
 
@@ -260,6 +264,8 @@ def _infer_kind(x: DTensor, layout: PairLayout) -> str:
         return "sample"
     if pl == SINGLE:
         return "single"
+    if pl == KINDS["template"]:
+        return "template"
     fits_pair = x.ndim >= 3 and tuple(x.shape[1:3]) == tuple(layout.padded)
     fits_msa = layout.s_padded is not None and x.ndim >= 3 and x.shape[1] == layout.s_padded
     fits_msa = fits_msa and x.shape[2] == layout.padded[1]

@@ -64,6 +64,12 @@ SUPPORTED = (
     "PairWeightedAveraging",
     "MSALayer",
     "MSAModule",
+    # the pair initialisation, the template module and the distogram head (issue 19)
+    "RelativePositionEncoder",
+    "ContactConditioning",
+    "TemplateV2Module",
+    "TemplateModule",
+    "DistogramModule",
 )
 
 
@@ -105,6 +111,7 @@ def boltz_modules() -> dict[str, type]:
         "PairWeightedAveraging": PairWeightedAveraging,
         "MSALayer": MSALayer,
         "MSAModule": MSAModule,
+        **_pair_init_modules(),
     }
 
 
@@ -280,6 +287,8 @@ def twin_config(module: nn.Module) -> tuple[str, dict[str, Any]]:
         return kind, _msa_layer_config(module)
     if kind == "MSAModule":
         return kind, _msa_module_config(module)
+    if kind in _PAIR_INIT_KINDS:
+        return kind, _pair_init_config(kind, module)
     # PairformerModule
     if len(module.layers) == 0:
         raise TypeError("a boltz PairformerModule with no layers has nothing to twin")
@@ -302,6 +311,8 @@ def _twin_class(kind: str) -> type:
                 f"the CP Pairformer (twinshard.pair.layers.pairformer) is not available: {exc}"
             ) from exc
         return CPPairformerLayer if kind == "PairformerLayer" else CPPairformerStack
+    if kind in _PAIR_INIT_KINDS:
+        return _pair_init_class(kind)
     if kind in ("PairformerNoSeqLayer", "PairformerNoSeqModule"):
         from twinshard.pair.layers.pairformer import CPPairformerNoSeqLayer, CPPairformerNoSeqModule
 
@@ -335,6 +346,8 @@ DROPOUT_KINDS = (
     "PairformerNoSeqModule",
     "MSALayer",
     "MSAModule",
+    "TemplateV2Module",
+    "TemplateModule",
 )
 LONE_LAYERS = ("PairformerLayer", "PairformerNoSeqLayer", "MSALayer")
 
@@ -363,3 +376,85 @@ def cp_twin_of(module: nn.Module, convention: str = "boltz") -> nn.Module:
         raise RuntimeError(f"{type(twin).__name__} registers parameters {ours}, boltz {theirs}")
     twin.train(module.training)
     return twin
+
+
+# -- the pair initialisation, the template module and the distogram head (issue 19) --------------
+
+_PAIR_INIT_KINDS = (
+    "RelativePositionEncoder",
+    "ContactConditioning",
+    "TemplateV2Module",
+    "TemplateModule",
+    "DistogramModule",
+)
+
+
+def _pair_init_modules() -> dict[str, type]:
+    from boltz.model.modules.encodersv2 import RelativePositionEncoder
+    from boltz.model.modules.trunkv2 import (
+        ContactConditioning,
+        DistogramModule,
+        TemplateModule,
+        TemplateV2Module,
+    )
+
+    return {
+        "RelativePositionEncoder": RelativePositionEncoder,
+        "ContactConditioning": ContactConditioning,
+        "TemplateV2Module": TemplateV2Module,
+        "TemplateModule": TemplateModule,
+        "DistogramModule": DistogramModule,
+    }
+
+
+def _pair_init_config(kind: str, module: nn.Module) -> dict[str, Any]:
+    if kind == "RelativePositionEncoder":
+        return {
+            "token_z": int(module.linear_layer.out_features),
+            "r_max": int(module.r_max),
+            "s_max": int(module.s_max),
+            "fix_sym_check": bool(module.fix_sym_check),
+            "cyclic_pos_enc": bool(module.cyclic_pos_enc),
+        }
+    if kind == "ContactConditioning":
+        return {
+            "token_z": int(module.encoder.out_features),
+            "cutoff_min": float(module.cutoff_min),
+            "cutoff_max": float(module.cutoff_max),
+        }
+    if kind == "DistogramModule":
+        # Boltz: distogram(z + z^T) reshaped to [B, N, N, num_distograms, num_bins]: the head's map
+        return {
+            "token_z": int(module.distogram.in_features),
+            "num_bins": int(module.num_bins),
+            "num_distograms": int(module.num_distograms),
+        }
+    # TemplateV2Module / TemplateModule
+    stack = _noseq_module_config(module.pairformer)
+    return {
+        "token_z": _width(module.z_norm),
+        "template_dim": _width(module.v_norm),
+        "template_blocks": stack["num_blocks"],
+        "dropout": stack["dropout"],
+        "pairwise_head_width": stack["pairwise_head_width"],
+        "pairwise_num_heads": stack["pairwise_num_heads"],
+        "post_layer_norm": stack["post_layer_norm"],
+        "activation_checkpointing": stack["activation_checkpointing"],
+        "min_dist": float(module.min_dist),
+        "max_dist": float(module.max_dist),
+        "num_bins": int(module.num_bins),
+    }
+
+
+def _pair_init_class(kind: str) -> type:
+    from twinshard.pair.layers.distogram import CPDistogramHead
+    from twinshard.pair.layers.pair_init import CPContactConditioning, CPRelativePositionEncoder
+    from twinshard.pair.layers.template import CPTemplateModule, CPTemplateV2Module
+
+    return {
+        "RelativePositionEncoder": CPRelativePositionEncoder,
+        "ContactConditioning": CPContactConditioning,
+        "TemplateV2Module": CPTemplateV2Module,
+        "TemplateModule": CPTemplateModule,
+        "DistogramModule": CPDistogramHead,
+    }[kind]

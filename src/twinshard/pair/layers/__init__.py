@@ -13,12 +13,20 @@ from twinshard.pair.layers.msa import CPMSALayer, CPMSAModule
 from twinshard.pair.layers.norm import CPLayerNorm
 from twinshard.pair.layers.outer_product import CPOuterProductMean
 from twinshard.pair.layers.pair_averaging import CPPairWeightedAveraging
+from twinshard.pair.layers.pair_init import (
+    CPContactConditioning,
+    CPEmbedding,
+    CPPairInit,
+    CPRelativePositionEncoder,
+    cp_outer_sum,
+)
 from twinshard.pair.layers.pairformer import (
     CPPairformerLayer,
     CPPairformerNoSeqLayer,
     CPPairformerNoSeqModule,
     CPPairformerStack,
 )
+from twinshard.pair.layers.template import CPTemplateModule, CPTemplateV2Module
 from twinshard.pair.layers.tokenwise import TokenwiseTwin, grad_group, pointwise, replicated_params
 from twinshard.pair.layers.transition import CPTransition
 from twinshard.pair.layers.triangle import (
@@ -33,6 +41,13 @@ from twinshard.pair.layers.triangle_attention import (
 )
 
 __all__ = [
+    "CPContactConditioning",
+    "CPEmbedding",
+    "CPPairInit",
+    "CPRelativePositionEncoder",
+    "CPTemplateModule",
+    "CPTemplateV2Module",
+    "cp_outer_sum",
     "CPAttentionPairBias",
     "CPDistogramHead",
     "CPDropout",

@@ -58,91 +58,15 @@ from torch.func import functional_call
 from twinshard import comm
 from twinshard.comm import primitives as P
 from twinshard.pair.features import layout_of, with_layout
+from twinshard.pair.layers.moves import MoveRows, column_moves, move_rows
 from twinshard.pair.layers.tokenwise import replicated_params
 from twinshard.pair.layers.triangle import pair_grid
-from twinshard.pair.layers.triangle_attention import Packed, assemble_rows
 from twinshard.pair.reference.attention import AttentionPairBias
 from twinshard.pair.reference.norm import compute_dtype
 from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local
 from twinshard.runtime.grid import ProcessGrid
 
-__all__ = ["CPAttentionPairBias", "single_to_column_block"]
-
-Moves = tuple[list[tuple[int, slice]], list[tuple[int, slice]], int]
-
-
-def _key_moves(grid: ProcessGrid, n: tuple[int, int]) -> Moves:
-    """``(sends = [(receiver, rows of my single block)], recvs = [(sender, rows of my key
-    block)], key block length)``: rank (r, c) gets the single rows ``J_c`` from ranks
-    (a, (r + c) mod C). ``n``: the pair's (Nr, Nc); key rows beyond the single's Nr are padding
-    (zero, never sent)."""
-    R, C = grid.rows, grid.cols
-    nI, nJ = n[0] // R, n[1] // C
-    me = grid.rank
-    sends, recvs = [], []
-    for rank in range(grid.size):
-        r, c = grid.coords_of(rank)
-        for a in range(R):
-            lo, hi = max(a * nI, c * nJ), min((a + 1) * nI, (c + 1) * nJ)
-            if lo >= hi:
-                continue
-            sender = grid.rank_of((a, r + c))
-            if rank == me:
-                recvs.append((sender, slice(lo - c * nJ, hi - c * nJ)))
-            if sender == me:
-                sends.append((rank, slice(lo - a * nI, hi - a * nI)))
-    return sends, recvs, nJ
-
-
-def _move_rows(x: torch.Tensor, moves: Moves, op: str) -> torch.Tensor:
-    """The key block ``[B, Nc/C, ...]`` assembled from pieces of the single blocks (dim 1); rows
-    no single block holds (beyond Nr) are zero."""
-    sends, recvs, length = moves
-    rest = tuple(x.shape[2:])
-    got = Packed(
-        [(p, x[:, rows]) for p, rows in sends],
-        [(p, (x.shape[0], rows.stop - rows.start) + rest) for p, rows in recvs],
-        x.dtype,
-        op,
-    ).wait()
-    return assemble_rows(x, got, [rows for _, rows in recvs], (x.shape[0], length) + rest, 1)
-
-
-class _MoveRows(torch.autograd.Function):
-    """:func:`_move_rows`; backward: each piece's gradient goes back to its sender, which adds it."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, moves: Moves) -> torch.Tensor:
-        ctx.moves, ctx.shape = moves, tuple(x.shape)
-        return _move_rows(x, moves, "apb:keys")
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor):
-        sends, recvs, _ = ctx.moves
-        g = g.contiguous()
-        rest = ctx.shape[2:]
-        pieces = [(p, g[:, rows]) for p, rows in recvs]  # my key block's rows
-        got = Packed(
-            pieces,
-            [(p, (ctx.shape[0], rows.stop - rows.start) + rest) for p, rows in sends],
-            g.dtype,
-            "apb:keys:backward",
-        ).wait()
-        gx = g.new_zeros(ctx.shape)
-        for (_, rows), piece in zip(sends, got):
-            gx[:, rows] += piece
-        return gx, None
-
-
-def single_to_column_block(x: torch.Tensor, grid: ProcessGrid, n: tuple[int, int]) -> torch.Tensor:
-    """This rank's single rows ``x[B, Nr/R, ...]`` (row block r, replicated along the grid row)
-    -> the rows of the token block of its grid COLUMN, ``[B, Nc/C, ...]`` (rows beyond Nr zero):
-    the tokens of rank (r, c)'s pair columns and MSA columns. ``n``: the pair's (Nr, Nc).
-    Differentiable (:class:`_MoveRows`): one exchange forward; backward each piece's gradient
-    goes back to its sender and is added there, so every rank's gradient of ``x`` is a partial
-    that the caller sums over the grid row (``comm.sync_grad(x, grid.row_group)`` before the
-    move). Per rank at most ``Nc/C`` rows received."""
-    return _MoveRows.apply(x.contiguous(), _key_moves(grid, n))
+__all__ = ["CPAttentionPairBias"]
 
 
 def _chunk(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -270,14 +194,14 @@ class CPAttentionPairBias(AttentionPairBias):
         self, s: torch.Tensor, z: torch.Tensor, args: _TileArgs, k_in: torch.Tensor | None
     ) -> torch.Tensor:
         grid = args.grid
-        moves = _key_moves(grid, (s.shape[1] * grid.rows, z.shape[2] * grid.cols))
+        moves = column_moves(grid, (s.shape[1] * grid.rows, z.shape[2] * grid.cols))
         # s is replicated along the grid row: every rank's gradient is a partial, summed there
         s = comm.sync_grad(s, grid.row_group)
         k_in = s if k_in is None else comm.sync_grad(k_in, grid.row_group)
-        keys = _MoveRows.apply(k_in.contiguous(), moves)
+        keys = MoveRows.apply(k_in.contiguous(), moves, "apb:keys")
         q, k, v, bias, g = self.project(s, z, keys)
         ct = compute_dtype(q.dtype)
-        mask = _move_rows(args.mask.detach().contiguous(), moves, "apb:mask").to(q.dtype)
+        mask = move_rows(args.mask.detach().contiguous(), moves, "apb:mask").to(q.dtype)
         mb = self.inf * (mask - 1) * _row_max(mask, grid, "apb:mask_max")
         if args.key_real is not None:
             mb = torch.where(args.key_real.view(1, -1), mb, torch.full_like(mb, -self.inf))

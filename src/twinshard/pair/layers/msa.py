@@ -15,7 +15,7 @@ pair, ``msa_mask`` MSA (either mask may be None: padding from the layout).
 Computation on rank (r, c). The MSA input ``[one_hot(msa), has_deletion, deletion_value,
 msa_paired] W_msa`` is token-local on the MSA tile. ``s_proj(emb)`` is computed on the single
 rows of grid row r, then moved to the token block of grid column c
-(``pair.layers.attention.single_to_column_block``: one exchange) and broadcast over the tile's
+(``pair.layers.moves.column_block``: one exchange) and broadcast over the tile's
 sequences. The pair token mask ``token_pad_mask_i token_pad_mask_j`` is built on the pair tile
 from the local single rows and the same move (no gradient). The layers: CP pair-weighted
 averaging, ``CPDropout`` (Boltz's row-wise MSA mask ``[B, S, 1, 1]``, each rank drawing its
@@ -54,8 +54,8 @@ from torch.utils.checkpoint import checkpoint
 
 from twinshard import comm
 from twinshard.pair.features import layout_kind, layout_of, with_layout
-from twinshard.pair.layers.attention import single_to_column_block
 from twinshard.pair.layers.dropout import CPDropout
+from twinshard.pair.layers.moves import column_block
 from twinshard.pair.layers.outer_product import CPOuterProductMean
 from twinshard.pair.layers.pair_averaging import CPPairWeightedAveraging
 from twinshard.pair.layers.pairformer import CPPairformerNoSeqLayer
@@ -269,13 +269,13 @@ class CPMSAModule(nn.Module):
         nr, nc = z.shape[1], z.shape[2]
         # s_proj on this grid row's single rows; the rows of this grid column's token block
         e = comm.sync_grad(emb.to_local(), grid.row_group)  # replicated along the row
-        s_cols = single_to_column_block(F.linear(e, w_s), grid, (nr, nc))  # [B, Nc/C, msa_s]
+        s_cols = column_block(F.linear(e, w_s), grid, (nr, nc), "msa:s_proj")  # [B, Nc/C, msa_s]
         m_local = F.linear(f, w_msa) + s_cols.unsqueeze(1)
         m = from_local(m_local, z.device_mesh, MSA)
         if layout is not None:
             m = with_layout(m, layout, "msa")  # padded sequences and tokens exactly zero
         tok = feats["token_pad_mask"].to_local().detach().to(z.dtype)
-        tok_cols = single_to_column_block(tok, grid, (nr, nc))
+        tok_cols = column_block(tok, grid, (nr, nc), "msa:token_mask", differentiable=False)
         token_mask = from_local(tok[:, :, None] * tok_cols[:, None, :], z.device_mesh, PAIR)
         if layout is not None:
             token_mask = with_layout(token_mask, layout, "pair")

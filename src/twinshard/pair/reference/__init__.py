@@ -18,12 +18,19 @@ from twinshard.pair.reference.msa import MSALayer, MSAModule
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 from twinshard.pair.reference.outer_product import OuterProductMean
 from twinshard.pair.reference.pair_averaging import PairWeightedAveraging
+from twinshard.pair.reference.pair_init import (
+    ContactConditioning,
+    FourierEmbedding,
+    PairInit,
+    RelativePositionEncoder,
+)
 from twinshard.pair.reference.pairformer import (
     PairformerLayer,
     PairformerNoSeqLayer,
     PairformerNoSeqModule,
     PairformerStack,
 )
+from twinshard.pair.reference.template import TemplateModule, TemplateV2Module
 from twinshard.pair.reference.transition import Transition
 from twinshard.pair.reference.triangle import (
     TriangleMultiplication,
@@ -37,6 +44,12 @@ from twinshard.pair.reference.triangle_attention import (
 )
 
 __all__ = [
+    "ContactConditioning",
+    "FourierEmbedding",
+    "PairInit",
+    "RelativePositionEncoder",
+    "TemplateModule",
+    "TemplateV2Module",
     "CONVENTIONS",
     "AttentionPairBias",
     "DistogramHead",
