@@ -114,14 +114,14 @@ def _local_key_mask(self, shape, seed, dtype, device=None, row_offset=0, col_off
 
 
 def _rank(grid, b, s, n, blocks=1, paired=True, checkpointing=False, plant=None):
-    saved = cp_msa.single_to_column_block, cp_dropout.CPDropout.mask
+    saved = cp_msa.column_block, cp_dropout.CPDropout.mask
     if plant == "s_proj_rows":
-        move = cp_msa.single_to_column_block
+        move = cp_msa.column_block
 
-        def planted(x, grid, n):  # the token mask keeps its move; s_proj's rows do not
-            return _s_proj_from_rows(x, grid, n) if x.requires_grad else move(x, grid, n)
+        def planted(x, grid, n, op, **kw):  # the token mask keeps its move; s_proj's rows do not
+            return _s_proj_from_rows(x, grid, n) if op == "msa:s_proj" else move(x, grid, n, op, **kw)
 
-        cp_msa.single_to_column_block = planted
+        cp_msa.column_block = planted
     elif plant == "dropout_local":
         cp_dropout.CPDropout.mask = _local_key_mask
     try:
@@ -141,7 +141,7 @@ def _rank(grid, b, s, n, blocks=1, paired=True, checkpointing=False, plant=None)
             params=parameter_signature(twin),
         )
     finally:
-        cp_msa.single_to_column_block, cp_dropout.CPDropout.mask = saved
+        cp_msa.column_block, cp_dropout.CPDropout.mask = saved
 
 
 def _check(grid, b, s, n, ranks, blocks=1, paired=True, what=None):
