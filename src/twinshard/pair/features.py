@@ -141,6 +141,8 @@ PLACEMENT_TABLE: dict[str, str] = {
     "deletion_mean": "single",
     "token_resolved_mask": "single",
     "disto_center": "single",
+    "modified": "single",
+    "cyclic_period": "single",
     # per-token-pair features
     "token_bonds": "pair",
     "type_bonds": "pair",
@@ -153,7 +155,7 @@ PLACEMENT_TABLE: dict[str, str] = {
     "deletion_value": "msa",
     "msa_paired": "msa",
     # per-sample
-    "method_feature": "sample",
+    "method_feature": "single",  # Boltz-2's is per token, [B, N] (featurizerv2 pads it with the tokens)
     "num_tokens": "sample",
     # per-atom features (kinds atom, atom_token, token_atom: twinshard.pair.atoms)
     **ATOM_FEATURES,
