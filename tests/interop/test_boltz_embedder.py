@@ -169,3 +169,100 @@ def test_atom_encoders_vs_boltz(boltz_all_fp64):
         boltz_all_fp64,
         zero_ok=(),
     )
+
+
+# -- cp_twin_of(boltz module) against the boltz module, on a grid ---------------------------------
+
+
+def _boltz_embedder(w, h):
+    m = BoltzInputEmbedder(**embedder_config(w, h)).double()
+    randomize_parameters(m, seed=21)
+    return m
+
+
+def _boltz_encoders():
+    cfg = embedder_config(8, 32)
+    enc = BoltzAtomEncoder(**encoder_kwargs(cfg)).double()
+    att = BoltzAtomAttentionEncoder(
+        atom_s=8,
+        token_s=6,
+        atoms_per_window_queries=8,
+        atoms_per_window_keys=32,
+        atom_encoder_depth=2,
+        atom_encoder_heads=2,
+        structure_prediction=False,
+    ).double()
+    proj = torch.nn.Linear(cfg["atom_z"], 4, bias=False).double()
+    for k, m in enumerate((enc, att, proj)):
+        randomize_parameters(m, seed=30 + k)
+    return enc, att, proj
+
+
+def _rank_cp(grid, part, n):
+    from twinshard.pair.features import collect_grad, collect_tensor, distribute
+    from twinshard.pair.interop.boltz import cp_twin_of
+    from twinshard.pair.layers.atom_encoder import synced_call
+
+    feats = atom_complex(2, n, (3, 8), seed=22, w=8)
+    pos = feats["ref_pos"].clone().requires_grad_()
+    d = distribute(feats | {"ref_pos": pos}, grid)
+    if part == "InputEmbedder":
+        twin = cp_twin_of(_boltz_embedder(8, 32))
+        out = collect_tensor(twin(d))
+        mods = [twin]
+    else:
+        enc, att, proj = _boltz_encoders()
+        t_enc, t_att = cp_twin_of(enc), cp_twin_of(att)
+        q, c, p, to_keys = t_enc(d)
+        # p holds this rank's windows: a module on it is replicated along the grid row like the
+        # twins, so its parameter gradient is summed over the grid column (synced_call)
+        a, q2, _, _ = t_att(d, q, c, synced_call(proj, d["ref_pos"], (p,)), to_keys)
+        out = torch.cat([collect_tensor(a).flatten(), collect_tensor(q2).flatten()])
+        mods = [t_enc, t_att, proj]
+    out.backward(random_grad_output(out, seed=23))
+    grads = {f"{i}.{k}": p.grad for i, m in enumerate(mods) for k, p in m.named_parameters()}
+    return out.detach(), collect_grad(pos.grad, "atom", grid), grads
+
+
+@pytest.mark.parametrize("part", ["InputEmbedder", "AtomEncoder+AtomAttentionEncoder"])
+def test_cp_twin_of_vs_boltz(part, boltz_all_fp64):
+    from twinshard.testing import grid_id, run_on_grid
+
+    grid, n = (2, 2), 11
+    ranks = run_on_grid(_rank_cp, grid, part, n)
+    feats = atom_complex(2, n, (3, 8), seed=22, w=8)
+    pos = feats["ref_pos"].clone().requires_grad_()
+    with boltz_all_fp64():
+        if part == "InputEmbedder":
+            mods = [_boltz_embedder(8, 32)]
+            out = mods[0](feats | {"ref_pos": pos})
+        else:
+            mods = list(_boltz_encoders())
+            enc, att, proj = mods
+            q, c, p, to_keys = enc(feats | {"ref_pos": pos})
+            a, q2, _, _ = att(
+                feats=feats | {"ref_pos": pos}, q=q, c=c, atom_enc_bias=proj(p), to_keys=to_keys
+            )
+            out = torch.cat([a.flatten(), q2.flatten()])
+        out.backward(random_grad_output(out, seed=23))
+    what = f"cp_twin_of({part}) {grid_id(grid)}"
+    for rank, (o, g_pos, grads) in enumerate(ranks):
+        assert_parity(o, out.detach(), what=f"{what} out (rank {rank})", grid=grid_id(grid))
+        assert_parity(g_pos, pos.grad, what=f"{what} d/dref_pos (rank {rank})", grid=grid_id(grid))
+        want = {f"{i}.{k}": p.grad for i, m in enumerate(mods) for k, p in m.named_parameters()}
+        assert set(grads) == set(want)
+        scale = max(float(g.abs().max()) for g in want.values())
+        for k, g in want.items():
+            if k.endswith(ANALYTIC_ZERO):
+                why = f"analytically zero: round-off of cancelling terms, 2.3e-13 x max|grad| {scale:.3g}"
+                assert_parity(
+                    grads[k],
+                    torch.zeros_like(g),
+                    what=f"{what} grad {k}",
+                    rtol=0.0,
+                    atol=2.3e-13 * scale,
+                    why=why,
+                )
+                continue
+            assert bool(g.abs().max() > 0), f"{what}: vacuous gradient for {k}"
+            assert_parity(grads[k], g, what=f"{what} grad {k} (rank {rank})", grid=grid_id(grid))

@@ -48,7 +48,14 @@ from twinshard.pair.reference.atom_encoder import AtomAttentionEncoder, AtomEnco
 from twinshard.pair.tiling import SINGLE, check_placements, from_local
 from twinshard.runtime.grid import ProcessGrid
 
-__all__ = ["CPAtomAttentionEncoder", "CPAtomEncoder", "TileFeatures", "tile_features"]
+__all__ = [
+    "CPAtomAttentionEncoder",
+    "CPAtomEncoder",
+    "TileFeatures",
+    "atom_dtensor",
+    "synced_call",
+    "tile_features",
+]
 
 
 class TileFeatures(dict):
