@@ -1011,6 +1011,31 @@ MUTATIONS: list[Mutation] = [
         'rot_t = col["template_frame_rot"].unsqueeze(2)',
         ("tests/pair/test_template_cp.py",),
     ),
+    # -- the input embedder's atoms: placement, window halo, its adjoint, its bytes (issue 19)
+    M(
+        "atom_window_halo_off_by_one",
+        "halo one atom short",
+        "pair/layers/atom_transformer.py",
+        "return max(0, w * k_lo - m), min(layout.n_atoms, w * k_hi + w + m)",
+        "return max(0, w * k_lo - m), min(layout.n_atoms, w * k_hi + w + m - 1)",
+        ("tests/pair/test_input_embedder.py",),
+    ),
+    M(
+        "atom_to_token_remap_off_by_one",
+        "wrong token",
+        "pair/atoms.py",
+        "return _mask_rows(x[bi, idx][:, :, tokens], valid, 1).contiguous()",
+        "return _mask_rows(x[bi, idx].roll(1, 2)[:, :, tokens], valid, 1).contiguous()",
+        ("tests/pair/test_input_embedder.py",),
+    ),
+    M(
+        "atom_halo_adjoint_not_summed",
+        "gradient overwritten",
+        "pair/layers/atom_transformer.py",
+        "gl[b, lo:hi] += piece",
+        "gl[b, lo:hi] = piece",
+        ("tests/pair/test_input_embedder.py",),
+    ),
 ]
 
 

@@ -69,9 +69,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Placement
 
 from twinshard.comm import primitives as P
+from twinshard.pair.atoms import ATOM_FEATURES, atom_tile, plan_atoms, scatter_atom_tile, unblock_atoms
 from twinshard.pair.layout import (
     _SEQ_DIM,
     _TOKEN_DIMS,
+    ATOM_KINDS,
     KINDS,
     PairLayout,
     _attach,
@@ -139,6 +141,8 @@ PLACEMENT_TABLE: dict[str, str] = {
     "deletion_mean": "single",
     "token_resolved_mask": "single",
     "disto_center": "single",
+    "modified": "single",
+    "cyclic_period": "single",
     # per-token-pair features
     "token_bonds": "pair",
     "type_bonds": "pair",
@@ -153,8 +157,6 @@ PLACEMENT_TABLE: dict[str, str] = {
     "method_feature": "single",  # [B, N]: Boltz featurises the method per token
     # per-sample
     "num_tokens": "sample",
-    # relative positions of cyclic chains (per token)
-    "cyclic_period": "single",
     # template features [B, T, N, ...] (Boltz-2's featuriser; T whole, tokens over grid rows)
     "template_restype": "template",
     "template_frame_rot": "template",
@@ -166,6 +168,8 @@ PLACEMENT_TABLE: dict[str, str] = {
     "template_mask": "template",
     "query_to_template": "template",
     "visibility_ids": "template",
+    # per-atom features (kinds atom, atom_token, token_atom: twinshard.pair.atoms)
+    **ATOM_FEATURES,
 }
 
 
@@ -224,6 +228,9 @@ def _plan(
     ss: dict[str, int] = {}
     for k, kind in kind_of.items():
         shape = meta[k][0]
+        if kind in ATOM_KINDS:  # checked by twinshard.pair.atoms.plan_atoms
+            batch.add(shape[0])
+            continue
         need = 1 + len(_TOKEN_DIMS[kind]) + (1 if kind in _SEQ_DIM else 0)
         if len(shape) < need:
             raise ValueError(f"feature {k!r} of kind {kind} needs >= {need} dims, got {shape}")
@@ -275,7 +282,7 @@ def _full_with_masks(
     mask_dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
     """Padded full tensors, with the token/pair/MSA masks completed (on the rank holding data)."""
-    out = {k: layout.pad(features[k], kind_of[k]) for k in kind_of}
+    out = {k: layout.pad(features[k], kind_of[k]) for k in kind_of if kind_of[k] not in ATOM_KINDS}
     b = next(iter(features.values())).shape[0]
     dev = next(iter(features.values())).device
     if TOKEN_MASK not in out:
@@ -388,10 +395,17 @@ def distribute(
         all_kinds,
         added,
     )
+    layout = plan_atoms(features if holds_data else None, kind_of, layout, grid, src)
     out: dict[str, DTensor] = {}
     for k in sorted(all_kinds):
         pl = _placements(all_kinds[k])
-        if src is None:
+        if all_kinds[k] in ATOM_KINDS:
+            if src is None:
+                local = atom_tile(features[k], all_kinds[k], layout, grid.coords[0])  # type: ignore[index]
+            else:
+                held = features[k] if features is not None and grid.rank == src else None
+                local = scatter_atom_tile(held, all_kinds[k], layout, grid, src, meta[k][1], meta[k][0])
+        elif src is None:
             local = local_block(full[k], grid, pl)  # type: ignore[index]
         else:
             local = _scatter_tiles(
@@ -511,6 +525,8 @@ def collect_tensor(
             groups.append(mesh.get_group(a))
             dims.append(p.dim % x.ndim)
     full = _GatherTiles.apply(x.to_local(), groups, dims)
+    if kind in ATOM_KINDS:
+        return unblock_atoms(full, layout, kind)
     return layout.unpad(full, kind)
 
 

@@ -37,6 +37,7 @@ from twinshard.pair.tiling import (
 from twinshard.runtime import ProcessGrid
 
 __all__ = [
+    "ATOM_KINDS",
     "KINDS",
     "PairLayout",
     "layout_kind",
@@ -54,7 +55,14 @@ KINDS: dict[str, tuple[Placement, ...]] = {
     "sample": SAMPLE,
     # per-template per-token features [B, T, N, ...]: tokens split over grid rows like single
     "template": (Shard(2), Replicate()),
+    # atoms (twinshard.pair.atoms): the atoms of token row block r on grid row r, replicated along
+    # it, padded per block to A_blk; global shapes [B, R*A_blk, ...], [B, R*A_blk, Nr/R] and
+    # [B, Nr, A_blk] (token indices local to the row block, atom indices local to the row's atoms)
+    "atom": SINGLE,
+    "atom_token": SINGLE,
+    "token_atom": SINGLE,
 }
+ATOM_KINDS = ("atom", "atom_token", "token_atom")
 
 
 # Token dims of each kind -> the grid axis (0: rows, 1: cols) that splits them; sequence dim.
@@ -70,7 +78,8 @@ class PairLayout:
     ``n_tokens``: caller's N; ``padded``: ``(Nr, Nc)``, N padded along grid rows and along grid
     columns; ``n_seqs``/``s_padded``: the caller's and padded MSA depth (None without MSA
     features); ``kinds``: kind of every distributed key; ``added``: mask keys ``distribute``
-    created.
+    created; ``n_atoms``, ``atom_block``, ``atom_starts``/``atom_counts`` (``[B][rows]``): the
+    atom placement (None without atom features, see :mod:`twinshard.pair.atoms`).
     """
 
     grid_shape: tuple[int, ...]
@@ -80,6 +89,13 @@ class PairLayout:
     s_padded: int | None = None
     kinds: dict[str, str] = field(default_factory=dict)
     added: tuple[str, ...] = ()
+    # atoms (set by distribute when atom features are present; twinshard.pair.atoms): Boltz's
+    # padded atom count A, the per-block padded count A_blk, and per sample, per grid row, the
+    # first global atom of the row and how many atoms it holds (the rows partition [0, A))
+    n_atoms: int | None = None
+    atom_block: int | None = None
+    atom_starts: tuple[tuple[int, ...], ...] | None = None
+    atom_counts: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def for_sizes(
@@ -158,6 +174,9 @@ def _check_fits(x: DTensor, layout: PairLayout, kind: str, what: str) -> None:
         raise ValueError(
             f"{what} lives on a {tuple(x.device_mesh.shape)} grid, its layout on {layout.grid_shape}"
         )
+    if kind in ATOM_KINDS:
+        _check_atom_fits(x, layout, kind, what)
+        return
     need = 1 + len(_TOKEN_DIMS[kind]) + (1 if kind in _SEQ_DIM else 0)
     if x.ndim < need:
         raise ValueError(f"{what}: a {kind} tensor needs >= {need} dims, got shape {tuple(x.shape)}")
@@ -180,6 +199,45 @@ def _check_fits(x: DTensor, layout: PairLayout, kind: str, what: str) -> None:
         )
 
 
+def atom_tile_shape(layout: PairLayout, kind: str) -> tuple[int, int, int | None]:
+    """``(B, dim 1, dim 2)`` of a rank's tile of an atom kind (dim 2 None for ``atom``): ``atom``
+    ``[B, A_blk, ...]``, ``atom_token`` ``[B, A_blk, Nr/R]``, ``token_atom`` ``[B, Nr/R, A_blk]``."""
+    if layout.atom_block is None or layout.atom_starts is None:
+        raise ValueError(
+            f"a {kind} tensor needs a layout with atoms: distribute the atom features (with "
+            "atom_to_token) through twinshard.pair.features.distribute"
+        )
+    b, a, n = len(layout.atom_starts), layout.atom_block, layout.padded[0] // layout.grid_shape[0]
+    return {"atom": (b, a, None), "atom_token": (b, a, n), "token_atom": (b, n, a)}[kind]
+
+
+def _check_atom_fits(x: DTensor, layout: PairLayout, kind: str, what: str) -> None:
+    b, d1, d2 = atom_tile_shape(layout, kind)
+    local = tuple(x.to_local().shape)
+    want = (b, d1) if d2 is None else (b, d1, d2)
+    if local[: len(want)] != want:
+        raise ValueError(
+            f"{what}: a {kind} tile of this layout is {want + ('...',) if d2 is None else want}, "
+            f"got {local} (A = {layout.n_atoms}, A_blk = {layout.atom_block}, N = {layout.n_tokens})"
+        )
+
+
+def atom_keep(layout: PairLayout, kind: str, row: int, device: torch.device | None = None) -> torch.Tensor:
+    """Bool keep-mask of grid row ``row``'s tile of an atom kind: ``[B, A_blk]`` (``atom``),
+    ``[B, A_blk, Nr/R]`` (``atom_token``), ``[B, Nr/R, A_blk]`` (``token_atom``); True on the
+    row's atoms (and real tokens), False on the per-block padding."""
+    atom_tile_shape(layout, kind)  # raises without atoms
+    counts = torch.tensor([c[row] for c in layout.atom_counts], device=device)  # type: ignore[union-attr]
+    atoms = torch.arange(layout.atom_block, device=device)[None, :] < counts[:, None]  # type: ignore[arg-type]
+    if kind == "atom":
+        return atoms
+    nI = layout.padded[0] // layout.grid_shape[0]
+    tokens = torch.arange(row * nI, (row + 1) * nI, device=device) < layout.n_tokens
+    if kind == "atom_token":
+        return atoms[:, :, None] & tokens[None, None, :]
+    return tokens[None, :, None] & atoms[:, None, :]
+
+
 def _attach(x: DTensor, layout: PairLayout, kind: str) -> DTensor:
     setattr(x, _ATTR, (layout, kind))
     return x
@@ -187,9 +245,13 @@ def _attach(x: DTensor, layout: PairLayout, kind: str) -> DTensor:
 
 def padding_keep(x: DTensor, layout: PairLayout, kind: str) -> torch.Tensor | None:
     """Bool ``[1, *tile dims]`` of ``x``'s local tile (batch and trailing dims broadcast): True on
-    real entries, False on padding; None when this tile holds no padding (nothing to mask)."""
+    real entries, False on padding; None when this tile holds no padding (nothing to mask). For
+    the atom kinds it is ``[B, *tile dims]`` (the padding differs per sample, :func:`atom_keep`)."""
     if kind == "sample":
         return None
+    if kind in ATOM_KINDS:
+        keep = atom_keep(layout, kind, x.device_mesh.get_coordinate()[0], x.device)
+        return None if bool(keep.all()) else keep
     real = _real_shape(tuple(x.shape), layout, kind)
     glob = tile_slices(tuple(x.shape), x.device_mesh, x.placements)
     dims = sorted(set(_TOKEN_DIMS[kind]) | ({_SEQ_DIM[kind]} if kind in _SEQ_DIM else set()))
@@ -285,6 +347,10 @@ def real_part(
     kind = kind or layout_kind(x)
     if layout is None or kind is None:
         raise ValueError("real_part needs the PairLayout and kind of x (none is attached: pass them)")
+    if kind in ATOM_KINDS:
+        raise ValueError(
+            f"real_part: a {kind} tile is one block per sample: use twinshard.pair.atoms.atom_parts"
+        )
     _check_fits(x, layout, kind, "real_part")
     local = x.to_local().detach()
     return real_tile(local, x.device_mesh, x.placements, _real_shape(tuple(x.shape), layout, kind))

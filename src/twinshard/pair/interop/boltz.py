@@ -70,6 +70,9 @@ SUPPORTED = (
     "TemplateV2Module",
     "TemplateModule",
     "DistogramModule",
+    "InputEmbedder",
+    "AtomEncoder",
+    "AtomAttentionEncoder",
 )
 
 
@@ -89,7 +92,8 @@ def boltz_modules() -> dict[str, type]:
             TriangleMultiplicationIncoming,
             TriangleMultiplicationOutgoing,
         )
-        from boltz.model.modules.trunkv2 import MSALayer, MSAModule
+        from boltz.model.modules.encodersv2 import AtomAttentionEncoder, AtomEncoder
+        from boltz.model.modules.trunkv2 import InputEmbedder, MSALayer, MSAModule
     except ImportError as exc:
         raise ImportError(
             "twinshard.pair.interop.boltz needs the boltz package (Boltz-2, tested with boltz 2.2.1); "
@@ -112,6 +116,9 @@ def boltz_modules() -> dict[str, type]:
         "MSALayer": MSALayer,
         "MSAModule": MSAModule,
         **_pair_init_modules(),
+        "InputEmbedder": InputEmbedder,
+        "AtomEncoder": AtomEncoder,
+        "AtomAttentionEncoder": AtomAttentionEncoder,
     }
 
 
@@ -242,6 +249,62 @@ def _check_pair_bias(att: nn.Module) -> None:
         )
 
 
+def _atom_encoder_config(enc: nn.Module) -> dict[str, Any]:
+    if enc.structure_prediction:
+        raise TypeError(
+            "a boltz AtomEncoder built with structure_prediction=True (the structure module's) has no "
+            "CP twin yet: only the input embedder's (structure_prediction=False)"
+        )
+    return {
+        "atom_s": int(enc.embed_atom_features.out_features),
+        "atom_z": int(enc.embed_atompair_ref_pos.out_features),
+        "atoms_per_window_queries": int(enc.atoms_per_window_queries),
+        "atoms_per_window_keys": int(enc.atoms_per_window_keys),
+        "atom_feature_dim": int(enc.embed_atom_features.in_features),
+        "use_no_atom_char": bool(enc.use_no_atom_char),
+        "use_atom_backbone_feat": bool(enc.use_atom_backbone_feat),
+        "use_residue_feats_atoms": bool(enc.use_residue_feats_atoms),
+    }
+
+
+def _attention_encoder_config(att: nn.Module) -> dict[str, Any]:
+    if att.structure_prediction:
+        raise TypeError(
+            "a boltz AtomAttentionEncoder built with structure_prediction=True (the structure module's) "
+            "has no CP twin yet"
+        )
+    dt = att.atom_encoder.diffusion_transformer
+    return {
+        "atom_s": _width(dt.layers[0].adaln.a_norm),
+        "token_s": int(att.atom_to_token_trans[0].out_features),
+        "atoms_per_window_queries": int(att.atom_encoder.attn_window_queries),
+        "atoms_per_window_keys": int(att.atom_encoder.attn_window_keys),
+        "atom_encoder_depth": len(dt.layers),
+        "atom_encoder_heads": int(dt.layers[0].pair_bias_attn.num_heads),
+        "structure_prediction": False,
+        "activation_checkpointing": bool(dt.activation_checkpointing),
+        "transformer_post_layer_norm": isinstance(dt.layers[0].post_lnorm, nn.LayerNorm),
+    }
+
+
+def _embedder_config(emb: nn.Module) -> dict[str, Any]:
+    enc = _atom_encoder_config(emb.atom_encoder)
+    att = _attention_encoder_config(emb.atom_attention_encoder)
+    if att["transformer_post_layer_norm"]:
+        raise TypeError("a boltz InputEmbedder's atom transformer has no post layer norm (as built by boltz)")
+    return enc | {
+        "token_s": int(emb.token_s),
+        "token_z": 1,  # read only with structure_prediction=True
+        "atom_encoder_depth": att["atom_encoder_depth"],
+        "atom_encoder_heads": att["atom_encoder_heads"],
+        "activation_checkpointing": att["activation_checkpointing"],
+        "add_method_conditioning": bool(emb.add_method_conditioning),
+        "add_modified_flag": bool(emb.add_modified_flag),
+        "add_cyclic_flag": bool(emb.add_cyclic_flag),
+        "add_mol_type_feat": bool(emb.add_mol_type_feat),
+    }
+
+
 def twin_config(module: nn.Module) -> tuple[str, dict[str, Any]]:
     """``(boltz class name, keyword arguments of the twin's constructor)`` for a boltz module."""
     kind = _kind(module)
@@ -289,6 +352,16 @@ def twin_config(module: nn.Module) -> tuple[str, dict[str, Any]]:
         return kind, _msa_module_config(module)
     if kind in _PAIR_INIT_KINDS:
         return kind, _pair_init_config(kind, module)
+    if kind == "InputEmbedder":
+        return kind, _embedder_config(module)
+    if kind == "AtomEncoder":
+        return kind, _atom_encoder_config(module) | {
+            "token_s": 1,
+            "token_z": 1,
+            "structure_prediction": False,
+        }
+    if kind == "AtomAttentionEncoder":
+        return kind, _attention_encoder_config(module)
     # PairformerModule
     if len(module.layers) == 0:
         raise TypeError("a boltz PairformerModule with no layers has nothing to twin")
@@ -325,6 +398,15 @@ def _twin_class(kind: str) -> type:
             "PairWeightedAveraging": CPPairWeightedAveraging,
             "MSALayer": CPMSALayer,
             "MSAModule": CPMSAModule,
+        }[kind]
+    if kind in ("InputEmbedder", "AtomEncoder", "AtomAttentionEncoder"):
+        from twinshard.pair.layers.atom_encoder import CPAtomAttentionEncoder, CPAtomEncoder
+        from twinshard.pair.layers.input_embedder import CPInputEmbedder
+
+        return {
+            "InputEmbedder": CPInputEmbedder,
+            "AtomEncoder": CPAtomEncoder,
+            "AtomAttentionEncoder": CPAtomAttentionEncoder,
         }[kind]
     return {
         "TriangleMultiplicationOutgoing": L.CPTriangleMultiplicationOutgoing,

@@ -5,9 +5,12 @@ in ``twinshard.pair.reference``, so a serial ``state_dict`` loads unchanged.
 Inputs and outputs are DTensors at the placements of ``twinshard.pair.tiling``.
 """
 
+from twinshard.pair.layers.atom_encoder import CPAtomAttentionEncoder, CPAtomEncoder
+from twinshard.pair.layers.atom_transformer import CPAtomTransformer
 from twinshard.pair.layers.attention import CPAttentionPairBias
 from twinshard.pair.layers.distogram import CPDistogramHead
 from twinshard.pair.layers.dropout import CPDropout
+from twinshard.pair.layers.input_embedder import CPInputEmbedder
 from twinshard.pair.layers.linear import CPLinear
 from twinshard.pair.layers.msa import CPMSALayer, CPMSAModule
 from twinshard.pair.layers.norm import CPLayerNorm
@@ -48,6 +51,10 @@ __all__ = [
     "CPTemplateModule",
     "CPTemplateV2Module",
     "cp_outer_sum",
+    "CPAtomAttentionEncoder",
+    "CPAtomEncoder",
+    "CPAtomTransformer",
+    "CPInputEmbedder",
     "CPAttentionPairBias",
     "CPDistogramHead",
     "CPDropout",

@@ -4,6 +4,8 @@ These are the oracles: every CP twin in ``twinshard.pair.layers`` registers the
 same parameters in the same order and must match them to fp64 round-off.
 """
 
+from twinshard.pair.reference.atom_encoder import AtomAttentionEncoder, AtomEncoder
+from twinshard.pair.reference.atom_transformer import AtomTransformer, DiffusionTransformer
 from twinshard.pair.reference.attention import AttentionPairBias
 from twinshard.pair.reference.distogram import DistogramHead, distogram_loss, distogram_target
 from twinshard.pair.reference.dropout import (
@@ -13,6 +15,7 @@ from twinshard.pair.reference.dropout import (
     dropout_mask,
     stream_id,
 )
+from twinshard.pair.reference.input_embedder import InputEmbedder
 from twinshard.pair.reference.linear import Linear, init_linear
 from twinshard.pair.reference.msa import MSALayer, MSAModule
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
@@ -50,6 +53,11 @@ __all__ = [
     "RelativePositionEncoder",
     "TemplateModule",
     "TemplateV2Module",
+    "AtomAttentionEncoder",
+    "AtomEncoder",
+    "AtomTransformer",
+    "DiffusionTransformer",
+    "InputEmbedder",
     "CONVENTIONS",
     "AttentionPairBias",
     "DistogramHead",
