@@ -29,8 +29,6 @@ Without ``boltz`` importable (the main environment) the file is skipped; CI runs
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -59,8 +57,6 @@ from twinshard.pair.interop.boltz import cp_twin_of  # noqa: E402
 from twinshard.pair.reference import Dropout, PairformerLayer, PairformerStack, assign_dropout_streams  # noqa: E402
 from twinshard.testing import (  # noqa: E402
     TwinResult,
-    assert_parity,
-    assert_replicated,
     check_twin,
     grid_id,
     parameter_signature,
@@ -226,34 +222,8 @@ def check_part(part, grid, b, n, results, run_boltz, what=None):
     )
     assert ref["serial_out"].dtype == F64
     what = what or f"{part} vs boltz N={n} B={b}"
-    zero = sorted(k for k in ref["serial_param_grads"] if k.endswith(ANALYTIC_ZERO))
-    scale = max(
-        float(t.abs().max())
-        for t in [ref["serial_out"], *ref["serial_grads_in"].values(), *ref["serial_param_grads"].values()]
-    )
-    serial_zero = {k: ref["serial_param_grads"].pop(k) for k in zero}
-    twin_zero = {k: [r.param_grads[k] for r in results] for k in zero}
-    results = [
-        dataclasses.replace(r, param_grads={k: v for k, v in r.param_grads.items() if k not in zero})
-        for r in results
-    ]
-    evidence = check_twin(what=what, grid=grid_id(grid), ranks=results, **ref)
-    eps = torch.finfo(F64).eps
-    k0 = 2 * eps + 16 * 4096**0.5 * eps  # the harness's round-off factor (n = 4096)
-    why0 = f"analytically zero: round-off of cancelling terms, {k0:.2g} x max|grad| {scale:.3g}"
-    for name in zero:
-        assert_replicated(twin_zero[name], f"{what}: param grad {name}")
-        for side, g in (("distributed", twin_zero[name][0]), ("boltz", serial_zero[name])):
-            assert_parity(
-                g,
-                torch.zeros_like(g),
-                what=f"{what} {side} grad {name}",
-                grid=grid_id(grid),
-                rtol=0.0,
-                atol=k0 * scale,
-                why=why0,
-            )
-    return evidence
+    zero = tuple(k for k in ref["serial_param_grads"] if k.endswith(ANALYTIC_ZERO))
+    return check_twin(what=what, grid=grid_id(grid), ranks=results, zero_grads=zero, **ref)
 
 
 def _boltz_runner(boltz_fp64):  # noqa: F811

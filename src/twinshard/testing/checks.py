@@ -8,6 +8,7 @@ success. ``check_twin`` composes them for a module twin whose ranks return a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -465,8 +466,15 @@ def check_twin(
     atol: float | None = None,
     why: str | None = None,
     reduction: int | None = None,
+    zero_grads: Sequence[str] = (),
 ) -> list[Evidence]:
     """All the anti-vacuous checks and parity of a module twin against its serial run.
+
+    ``zero_grads`` names parameters whose gradient is zero in exact arithmetic (a LayerNorm bias
+    that shifts a whole softmax row, a conditioning that no input switches on, a norm of zeros in
+    the first recycling cycle): they are taken out of the non-zero and relative-parity checks and
+    checked, on both sides, against zero at the round-off budget of the largest gradient (exact
+    zeros pass; a real gradient does not). Each must be in the serial parameter gradients.
 
     Order: grad_output random; serial parameters non-zero; parameter names/order equal; outputs,
     input grads and parameter grads replicated across ranks; sharding active and honest on more
@@ -477,6 +485,16 @@ def check_twin(
     """
     tol = {"rtol": rtol, "atol": atol, "why": why}
     assert_random_grad_output(grad_output)
+    missing = [k for k in zero_grads if k not in serial_param_grads]
+    if missing:
+        raise AssertionError(f"{what}: zero_grads {missing} are not parameters of the serial module")
+    zero_serial = {k: serial_param_grads[k] for k in zero_grads}
+    zero_twin = [{k: r.param_grads.get(k) for k in zero_grads} for r in ranks]
+    serial_param_grads = {k: g for k, g in serial_param_grads.items() if k not in zero_serial}
+    ranks = [
+        dataclasses.replace(r, param_grads={k: g for k, g in r.param_grads.items() if k not in zero_serial})
+        for r in ranks
+    ]
     if serial_module is not None:
         assert_nonzero_parameters(serial_module, what)
         for r, res in enumerate(ranks):
@@ -510,6 +528,18 @@ def check_twin(
         evs.append(assert_parity(ranks[0].grads_in[name], g, what=f"{what} d/d{name}", **kw))
     for name, g in serial_param_grads.items():
         evs.append(assert_parity(ranks[0].param_grads[name], g, what=f"{what} param grad {name}", **kw))
+    if zero_serial:
+        assert_replicated(zero_twin, f"{what}: analytically zero parameter gradients")
+        scale = max(float(g.abs().max()) for g in serial_param_grads.values())
+        for name, g in zero_serial.items():
+            t = tolerance(torch.float64 if g is None else g.dtype, scale, reduction)
+            zkw = dict(grid=grid, checks=done, rtol=0.0, atol=t.atol, why=f"analytically zero; {t.why}")
+            for side, got in (("serial", g), ("distributed", zero_twin[0][name])):
+                if got is None:  # the parameter took no part: its gradient is exactly zero
+                    got = torch.zeros_like(g) if g is not None else torch.zeros(())
+                evs.append(
+                    assert_parity(got, torch.zeros_like(got), what=f"{what} {side} grad {name} (zero)", **zkw)
+                )
     return evs
 
 

@@ -22,6 +22,14 @@ boltz                                                   twin
 ``layers.pair_averaging.PairWeightedAveraging``          ``CPPairWeightedAveraging``
 ``modules.trunkv2.MSALayer``                            ``CPMSALayer``
 ``modules.trunkv2.MSAModule``                           ``CPMSAModule`` (``subsample_msa=False``)
+``modules.trunkv2.InputEmbedder``                       ``CPInputEmbedder``
+``modules.encodersv2.AtomEncoder``                      ``CPAtomEncoder`` (``structure_prediction=False``)
+``modules.encodersv2.AtomAttentionEncoder``             ``CPAtomAttentionEncoder`` (likewise)
+``modules.encodersv2.RelativePositionEncoder``          ``CPRelativePositionEncoder``
+``modules.trunkv2.ContactConditioning``                 ``CPContactConditioning``
+``modules.trunkv2.TemplateV2Module`` / ``TemplateModule``  ``CPTemplateV2Module`` / ``CPTemplateModule``
+``modules.trunkv2.DistogramModule``                     ``CPDistogramHead``
+``models.boltz2.Boltz2`` (its trunk)                    ``CPBoltz2Trunk`` (:func:`cp_trunk_of`)
 ======================================================  =========================================
 
 The twins' dropout follows Boltz's convention (``convention="boltz"``: row-wise masks
@@ -47,7 +55,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["SUPPORTED", "boltz_modules", "cp_twin_of", "twin_config"]
+__all__ = ["SUPPORTED", "boltz_modules", "cp_trunk_of", "cp_twin_of", "twin_config"]
 
 SUPPORTED = (
     "TriangleMultiplicationOutgoing",
@@ -440,6 +448,8 @@ def cp_twin_of(module: nn.Module, convention: str = "boltz") -> nn.Module:
     masks (Pairformer layer and stack only; Boltz's own by default). A lone layer's dropout
     sites get the streams ``assign_dropout_streams`` gives the serial ``PairformerLayer``; a
     stack's are assigned by the stack from the sites' qualified names, as in serial."""
+    if _is_boltz2(module):
+        return cp_trunk_of(module, convention)
     kind, cfg = twin_config(module)
     if kind in DROPOUT_KINDS:
         cfg["convention"] = convention
@@ -540,3 +550,38 @@ def _pair_init_class(kind: str) -> type:
         "TemplateModule": CPTemplateModule,
         "DistogramModule": CPDistogramHead,
     }[kind]
+
+
+# -- the whole trunk of a Boltz-2 model (issue 19) -------------------------------------------------
+
+
+def _is_boltz2(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Boltz2" and cls.__module__ == "boltz.model.models.boltz2"
+
+
+def cp_trunk_of(model: nn.Module, convention: str = "boltz") -> nn.Module:
+    """The CP trunk (``twinshard.pair.layers.trunk.CPBoltz2Trunk``) of a boltz ``Boltz2`` model:
+    its settings from the model's ``hparams`` (``TrunkConfig.from_hparams``), the trunk part of its
+    ``state_dict`` (``trunk_state_dict``: input embedder to distogram head) loaded unchanged and
+    strict, in the model's dtype, on its device, in its training mode; the parameter names and
+    their order are checked equal to the model's trunk parameters. The structure module,
+    confidence and affinity heads are not part of it (the structure issue adds them)."""
+    from twinshard.pair.layers.trunk import CPBoltz2Trunk
+    from twinshard.pair.reference.trunk import TRUNK_PREFIXES, TrunkConfig, trunk_state_dict
+
+    if not _is_boltz2(model):
+        raise TypeError(f"cp_trunk_of takes a boltz Boltz2 model, got {type(model).__qualname__}")
+    if getattr(model, "is_pairformer_compiled", False) or getattr(model, "is_msa_compiled", False):
+        raise TypeError("a Boltz2 with compiled trunk modules: build it with compile_* = False")
+    twin = CPBoltz2Trunk(TrunkConfig.from_hparams(model.hparams), convention=convention)
+    ref = next(iter(model.parameters()), None)
+    if ref is not None:
+        twin = twin.to(device=ref.device, dtype=ref.dtype)
+    twin.load_state_dict(trunk_state_dict(model.state_dict()), strict=True)
+    ours = [n for n, _ in twin.named_parameters()]
+    theirs = [n for n, _ in model.named_parameters() if n.split(".", 1)[0] in TRUNK_PREFIXES]
+    if ours != theirs:
+        raise RuntimeError(f"CPBoltz2Trunk registers parameters {ours}, Boltz2's trunk {theirs}")
+    twin.train(model.training)
+    return twin
