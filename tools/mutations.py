@@ -1036,6 +1036,15 @@ MUTATIONS: list[Mutation] = [
         "gl[b, lo:hi] = piece",
         ("tests/pair/test_input_embedder.py",),
     ),
+    # -- the whole trunk (issue 19): only the last recycling cycle carries gradients, as in Boltz
+    M(
+        "recycling_grad_every_cycle",
+        "gradient through every cycle",
+        "pair/reference/trunk.py",
+        "with torch.set_grad_enabled(grad and cycle == recycling_steps):",
+        "with torch.set_grad_enabled(grad):",
+        ("tests/pair/test_trunk_cp.py::test_only_the_last_cycle_keeps_activations",),
+    ),
 ]
 
 
