@@ -60,7 +60,9 @@ __all__ = [
     "trunk_parameters",
 ]
 
-# Boltz2's top-level submodules that the trunk (forward up to the distogram) runs.
+# Boltz2's top-level submodules that the trunk (forward up to the distogram) runs. Written here
+# from Boltz2.forward, not imported from twinshard.pair.reference.trunk.TRUNK_PREFIXES: the oracle
+# keeps no code of what it checks (the tests compare the two name lists).
 TRUNK_MODULES = (
     "input_embedder",
     "s_init",

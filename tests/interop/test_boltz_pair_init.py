@@ -27,6 +27,7 @@ pytest.importorskip("boltz", reason="the boltz package is not installed (see tes
 
 from boltz.model.modules.encodersv2 import RelativePositionEncoder as BoltzRelPos  # noqa: E402
 from boltz.model.modules.trunkv2 import ContactConditioning as BoltzContact  # noqa: E402
+from boltz2_model import build_boltz2  # noqa: E402
 
 from twinshard.pair.reference.pair_init import (  # noqa: E402
     ContactConditioning,
@@ -121,49 +122,14 @@ def test_contact_conditioning_vs_boltz(boltz_all_fp64):
     _compare_params(ours, theirs, "contact conditioning")
 
 
-def _boltz2_pair_init_modules(bond_type_feature: bool):
-    """The pair-init submodules of a small Boltz2, in Boltz2's order (built offline)."""
-    from boltz.model.models.boltz2 import Boltz2
-
-    model = Boltz2(
-        atom_s=8,
-        atom_z=4,
-        token_s=CS,
-        token_z=CZ,
-        num_bins=8,
-        training_args={},
-        validation_args={},
-        embedder_args={"atom_encoder_depth": 1, "atom_encoder_heads": 1},
-        msa_args={"msa_s": 4, "msa_blocks": 1, "msa_dropout": 0.0, "z_dropout": 0.0},
-        pairformer_args={"num_blocks": 1, "num_heads": 1, "v2": True},
-        score_model_args={
-            "sigma_data": 16,
-            "dim_fourier": 4,
-            "atom_encoder_depth": 1,
-            "atom_encoder_heads": 1,
-            "token_transformer_depth": 1,
-            "token_transformer_heads": 1,
-            "atom_decoder_depth": 1,
-            "atom_decoder_heads": 1,
-            "conditioning_transition_layers": 1,
-        },
-        diffusion_process_args={},
-        diffusion_loss_args={},
-        confidence_prediction=False,
-        validate_structure=False,
-        fix_sym_check=True,
-        cyclic_pos_enc=True,
-        bond_type_feature=bond_type_feature,
-    )
-    return model
+def _boltz2(bond_type_feature: bool):
+    """A small Boltz2 built offline (the trunk oracle's builder), parameters randomised, fp64."""
+    return build_boltz2(seed=11, token_s=CS, token_z=CZ, pairformer_heads=1, flags={"bond_type_feature": bond_type_feature})
 
 
 @pytest.mark.parametrize("bond_type_feature", [True, False])
 def test_pair_init_names_are_boltz2(bond_type_feature):
-    try:
-        model = _boltz2_pair_init_modules(bond_type_feature)
-    except Exception as exc:  # pragma: no cover - a boltz whose constructor needs more
-        pytest.skip(f"Boltz2 could not be built offline here: {exc}")
+    model = _boltz2(bond_type_feature)
     ours = PairInit(CS, CZ, bond_type_feature=bond_type_feature, fix_sym_check=True, cyclic_pos_enc=True)
     tops = [k for k in dict(model.named_children()) if hasattr(ours, k)]
     theirs = [k for k in model.state_dict() if k.split(".")[0] in tops]
@@ -182,11 +148,7 @@ def test_pair_init_names_are_boltz2(bond_type_feature):
 
 @pytest.mark.parametrize("bond_type_feature", [True, False])
 def test_pair_init_vs_boltz2_forward(bond_type_feature, boltz_all_fp64):
-    try:
-        model = _boltz2_pair_init_modules(bond_type_feature).double()
-    except Exception as exc:  # pragma: no cover
-        pytest.skip(f"Boltz2 could not be built offline here: {exc}")
-    randomize_parameters(model, seed=11)
+    model = _boltz2(bond_type_feature)
     ours = PairInit(CS, CZ, bond_type_feature=bond_type_feature, fix_sym_check=True, cyclic_pos_enc=True)
     ours.double()
     ours.load_state_dict({k: v for k, v in model.state_dict().items() if k in ours.state_dict()}, strict=True)
