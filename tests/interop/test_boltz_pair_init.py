@@ -124,7 +124,9 @@ def test_contact_conditioning_vs_boltz(boltz_all_fp64):
 
 def _boltz2(bond_type_feature: bool):
     """A small Boltz2 built offline (the trunk oracle's builder), parameters randomised, fp64."""
-    return build_boltz2(seed=11, token_s=CS, token_z=CZ, pairformer_heads=1, flags={"bond_type_feature": bond_type_feature})
+    return build_boltz2(
+        seed=11, token_s=CS, token_z=CZ, pairformer_heads=1, flags={"bond_type_feature": bond_type_feature}
+    )
 
 
 @pytest.mark.parametrize("bond_type_feature", [True, False])
