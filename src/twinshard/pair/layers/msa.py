@@ -50,16 +50,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from twinshard import comm
-from twinshard.pair.features import layout_kind, layout_of, with_layout
+from twinshard.pair.features import layout_of, with_layout
 from twinshard.pair.layers.dropout import CPDropout
 from twinshard.pair.layers.moves import column_block
 from twinshard.pair.layers.outer_product import CPOuterProductMean
 from twinshard.pair.layers.pair_averaging import CPPairWeightedAveraging
 from twinshard.pair.layers.pairformer import CPPairformerNoSeqLayer
-from twinshard.pair.layers.tokenwise import pointwise, replicated_params
+from twinshard.pair.layers.tokenwise import checkpointed, pointwise, replicated_params
 from twinshard.pair.layers.transition import CPTransition
 from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.reference.msa import (
@@ -138,12 +137,6 @@ class CPMSALayer(nn.Module):
         z = pointwise(_add, z, self.outer_product_mean(m, msa_mask))
         z = self.pairformer_layer(z, token_mask, seed)
         return z, m
-
-
-def _rebuild(local: torch.Tensor, like: DTensor) -> DTensor:
-    out = from_local(local, like.device_mesh, like.placements)
-    layout = layout_of(like)
-    return out if layout is None else with_layout(out, layout, layout_kind(like))
 
 
 class CPMSAModule(nn.Module):
@@ -282,28 +275,7 @@ class CPMSAModule(nn.Module):
         msa_mask = feats["msa_mask"]
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                z, m = self._checkpointed(layer, z, m, token_mask, msa_mask, seed)
+                z, m = checkpointed(lambda z, m, layer=layer: layer(z, m, token_mask, msa_mask, seed), z, m)
             else:
                 z, m = layer(z, m, token_mask, msa_mask, seed)
         return z
-
-    @staticmethod
-    def _checkpointed(
-        layer: CPMSALayer,
-        z: DTensor,
-        m: DTensor,
-        token_mask: DTensor,
-        msa_mask: DTensor,
-        seed: int | None,
-    ) -> tuple[DTensor, DTensor]:
-        """One layer under non-reentrant checkpointing on local tiles (full recompute, every
-        collective of the layer in the forward order on every rank)."""
-
-        def run(z_local: torch.Tensor, m_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            zo, mo = layer(_rebuild(z_local, z), _rebuild(m_local, m), token_mask, msa_mask, seed)
-            return zo.to_local(), mo.to_local()
-
-        z_local, m_local = checkpoint(
-            run, z.to_local(), m.to_local(), use_reentrant=False, early_stop=False, preserve_rng_state=False
-        )
-        return _rebuild(z_local, z), _rebuild(m_local, m)

@@ -61,13 +61,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
-from twinshard.pair.features import layout_kind, layout_of, with_layout
+from twinshard.pair.features import layout_of
 from twinshard.pair.layers.attention import CPAttentionPairBias
 from twinshard.pair.layers.dropout import CPDropout
 from twinshard.pair.layers.norm import CPLayerNorm
-from twinshard.pair.layers.tokenwise import pointwise
+from twinshard.pair.layers.tokenwise import checkpointed, pointwise
 from twinshard.pair.layers.transition import CPTransition
 from twinshard.pair.layers.triangle import CPTriangleMultiplicationIncoming, CPTriangleMultiplicationOutgoing
 from twinshard.pair.layers.triangle_attention import (
@@ -81,7 +80,7 @@ from twinshard.pair.reference.pairformer import (
     build_noseq_stack,
     build_stack,
 )
-from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local
+from twinshard.pair.tiling import PAIR, SINGLE, check_placements
 from twinshard.runtime.agree import agree_scalars  # re-exported: it moved to the runtime
 
 __all__ = [
@@ -204,12 +203,6 @@ class CPPairformerLayer(_PlainArgs, nn.Module):
         )
 
 
-def _rebuild(local: torch.Tensor, like: DTensor) -> DTensor:
-    out = from_local(local, like.device_mesh, like.placements)
-    layout = layout_of(like)
-    return out if layout is None else with_layout(out, layout, layout_kind(like))
-
-
 class CPPairformerStack(_PlainArgs, nn.Module):
     """``num_blocks`` CP Pairformer layers (the serial ``PairformerStack``'s arguments, names and
     dropout streams); ``activation_checkpointing`` recomputes each layer in backward on every
@@ -286,33 +279,10 @@ class CPPairformerStack(_PlainArgs, nn.Module):
         agree_scalars(self.control_scalars(seed, s, z, mask, pair_mask), type(self).__name__)
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                s, z = self._checkpointed(layer, s, z, mask, pair_mask, seed)
+                s, z = checkpointed(lambda s, z, layer=layer: layer(s, z, mask, pair_mask, seed), s, z)
             else:
                 s, z = layer(s, z, mask, pair_mask, seed)
         return s, z
-
-    @staticmethod
-    def _checkpointed(
-        layer: CPPairformerLayer,
-        s: DTensor,
-        z: DTensor,
-        mask: DTensor | None,
-        pair_mask: DTensor | None,
-        seed: int | None,
-    ) -> tuple[DTensor, DTensor]:
-        """One layer under non-reentrant checkpointing on local tiles (full recompute)."""
-
-        def run(s_local: torch.Tensor, z_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            s_out, z_out = layer(_rebuild(s_local, s), _rebuild(z_local, z), mask, pair_mask, seed)
-            return s_out.to_local(), z_out.to_local()
-
-        # outputs have the inputs' placements and layouts (residual adds keep the first argument's)
-        # preserve_rng_state=False: dropout is counter-based (keyed by global index), so torch's RNG
-        # state (5 kB a layer on CPU, more on CUDA) need not be saved per checkpointed layer
-        s_local, z_local = checkpoint(
-            run, s.to_local(), z.to_local(), use_reentrant=False, early_stop=False, preserve_rng_state=False
-        )
-        return _rebuild(s_local, s), _rebuild(z_local, z)
 
 
 class _PlainPairArgs:
@@ -422,16 +392,7 @@ class CPPairformerNoSeqModule(_PlainPairArgs, nn.Module):
         agree_scalars(self.control_scalars(seed, z, pair_mask), type(self).__name__)
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-
-                def run(z_local: torch.Tensor, layer: nn.Module = layer, like: DTensor = z) -> torch.Tensor:
-                    return layer(_rebuild(z_local, like), pair_mask, seed).to_local()
-
-                z = _rebuild(
-                    checkpoint(
-                        run, z.to_local(), use_reentrant=False, early_stop=False, preserve_rng_state=False
-                    ),
-                    z,
-                )
+                z = checkpointed(lambda z, layer=layer: layer(z, pair_mask, seed), z)
             else:
                 z = layer(z, pair_mask, seed)
         return z

@@ -27,6 +27,7 @@ layout and without a mask raises.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from twinshard import comm
 from twinshard.pair.layout import PairLayout, _check_fits, layout_kind, layout_of, padding_keep, with_layout
@@ -184,3 +186,28 @@ def pointwise(fn: Callable[..., torch.Tensor], *xs: DTensor) -> DTensor:
             )
     out = fn(*(x.to_local() for x in xs))
     return carry_layout(from_local(out, first.device_mesh, first.placements), first)
+
+
+def rebuild(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` as a DTensor with ``like``'s mesh, placements and layout (padding zeroed)."""
+    return carry_layout(from_local(local, like.device_mesh, like.placements), like)
+
+
+def checkpointed(call: Callable[..., Any], *xs: DTensor) -> Any:
+    """``call(*xs)`` (a DTensor or a tuple of DTensors, with the placements and layouts of the
+    first ``len`` inputs, in order) under non-reentrant activation checkpointing on the local
+    tiles: backward recomputes the whole call, issuing its collectives in the forward order on
+    every rank. ``preserve_rng_state=False``: dropout is counter-based (keyed by global index),
+    so torch's RNG state need not be saved per call. The one checkpointing rule of the CP stacks
+    (Pairformer, its no-sequence form, the MSA module)."""
+
+    def run(*tiles: torch.Tensor) -> Any:
+        out = call(*(rebuild(t, x) for t, x in zip(tiles, xs)))
+        return out.to_local() if isinstance(out, DTensor) else tuple(o.to_local() for o in out)
+
+    got = checkpoint(
+        run, *(x.to_local() for x in xs), use_reentrant=False, early_stop=False, preserve_rng_state=False
+    )
+    if isinstance(got, torch.Tensor):
+        return rebuild(got, xs[0])
+    return tuple(rebuild(g, x) for g, x in zip(got, xs))
