@@ -935,6 +935,32 @@ MUTATIONS: list[Mutation] = [
         "drop = real[:, :-1] & (nxt[:, 1:] < token[:, :-1]) & False",
         ("tests/pair/test_feature_contract.py",),
     ),
+    # -- bad input (issue 19): the contract's checks run by distribute on every rank; the trunk
+    # names missing features
+    M(
+        "contract_atom_no_token_unchecked",
+        "dropped check",
+        "pair/feature_contract.py",
+        "real & (count == 0),",
+        "real & (count == 0) & False,",
+        ("tests/pair/test_bad_input.py::test_bad_feature_fails_on_every_rank",),
+    ),
+    M(
+        "contract_atom_beyond_n_unnamed",
+        "message lost",
+        "pair/feature_contract.py",
+        "+ _beyond_hint(spec.name, t, axis, sym, size),",
+        '+ "",',
+        ("tests/pair/test_bad_input.py::test_bad_feature_fails_on_every_rank",),
+    ),
+    M(
+        "trunk_missing_features_unchecked",
+        "dropped check",
+        "pair/layers/trunk.py",
+        "missing = [k for k in need if not isinstance(feats.get(k), DTensor)]",
+        "missing = []",
+        ("tests/pair/test_bad_input.py::test_trunk_names_missing_features_on_every_rank",),
+    ),
     M(
         "synthetic_profile_over_padded_rows",
         "wrong statistic",

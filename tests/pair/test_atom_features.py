@@ -7,8 +7,9 @@
 - gradients: ``collect_tensor`` of an atom feature is differentiable and ``collect_grad`` of the
   caller's ``x.grad`` (``src=None``) is the serial gradient;
 - bad input raises on every rank, naming the feature: a mapping beyond N, a real atom mapped to
-  no token or to two, atoms out of token order, A inconsistent, a representative atom of another
-  token block.
+  no token or to two, atoms out of token order, A inconsistent, a representative atom not of its
+  token (the feature contract, run by distribute), a token-to-atom map outside the contract
+  (``token_to_center_atom``) linking another token block (the placement's check).
 """
 
 from __future__ import annotations
@@ -116,29 +117,54 @@ def _rank_bad(grid, case, src):
         a2t[0, [0, 8]] = a2t[0, [8, 0]]
     elif case == "atom_count":
         f["ref_pos"] = torch.zeros(2, a2t.shape[1] + 8, 3, dtype=torch.float64)
+    elif case == "center_atom":  # not in the contract: the placement's own check
+        f["token_to_center_atom"] = f["token_to_rep_atom"].clone()
+        f["token_to_center_atom"][0, 0] = 0
+        f["token_to_center_atom"][0, 0, int(f["atom_pad_mask"][0].sum()) - 1] = 1
     elif case == "rep_atom":
         f["token_to_rep_atom"][0, 0] = 0
         f["token_to_rep_atom"][0, 0, int(f["atom_pad_mask"][0].sum()) - 1] = 1
     distribute(f if src is None or grid.rank == src else None, grid, src=src)
 
 
+# (case, src, message, step): the values of Boltz's atom maps are the feature contract's checks
+# (run by distribute where the data is); what the placement adds is pair.atoms.plan_atoms'.
+_CONTRACT, _ATOMS = "pair.features.distribute", "pair.features.distribute (atoms)"
 BAD = [
     (
         "beyond_n",
         None,
-        r"atom_to_token is \[B, A, 11\] but the token features have N = 10: atom 3 of sample 0 is mapped to token 10 >= N",
+        r"feature 'atom_to_token': dim 2 \(N\) is 11 but 'token_pad_mask' has N=10.*atom 3 of batch "
+        r"element 0 is mapped to token 10 >= N = 10",
+        _CONTRACT,
     ),
-    ("no_token", 0, r"atom_to_token maps real atom 5 of sample 1 \(atom_pad_mask = 1\) to no token"),
-    ("two_tokens", None, "atom_to_token maps atom 2 of sample 0 to 2 tokens"),
-    ("order", None, "atom_to_token: atoms out of token order in sample 0"),
-    ("atom_count", 0, "atom features disagree on the atom count A"),
-    ("rep_atom", None, r"token_to_rep_atom links token 0 of sample 0 \(grid row 0\) with atom"),
+    (
+        "no_token",
+        0,
+        r"feature 'atom_to_token': real atom 5 of batch element 1 maps to no token \(atom_pad_mask is 1\)",
+        _CONTRACT,
+    ),
+    (
+        "two_tokens",
+        None,
+        "feature 'atom_to_token': real atom 2 of batch element 0 maps to 2 tokens",
+        _CONTRACT,
+    ),
+    ("order", None, "feature 'atom_to_token': real atoms must be contiguous per token", _CONTRACT),
+    ("atom_count", 0, r"feature 'ref_pos': dim 1 \(A\) is .* inconsistent A", _CONTRACT),
+    (
+        "rep_atom",
+        None,
+        "feature 'token_to_rep_atom': token 0 of batch element 0 has representative atom",
+        _CONTRACT,
+    ),
+    ("center_atom", None, r"token_to_center_atom links token 0 of sample 0 \(grid row 0\) with atom", _ATOMS),
 ]
 
 
-@pytest.mark.parametrize("case,src,match", BAD, ids=[c[0] for c in BAD])
-def test_bad_atom_input_fails_on_every_rank(case, src, match):
+@pytest.mark.parametrize("case,src,match,step", BAD, ids=[c[0] for c in BAD])
+def test_bad_atom_input_fails_on_every_rank(case, src, match, step):
     with pytest.raises(RankFailure, match=match) as info:
         run_on_grid(_rank_bad, (2, 2), case, src)
-    assert info.value.step == "pair.features.distribute (atoms)"
+    assert info.value.step == step
     assert not info.value.stuck

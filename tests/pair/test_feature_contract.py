@@ -205,7 +205,7 @@ BAD = {
     "atom_two_tokens": (
         lambda: _edit(atom_to_token=lambda x: _set(x, (0, 0, 5), 1)),
         "atom_to_token",
-        "maps to several tokens",
+        "maps to 2 tokens",
     ),
     "padding_atom_mapped": (
         lambda: (

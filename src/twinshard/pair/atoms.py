@@ -22,11 +22,14 @@ All three sit at the single placements ``(Shard(1), Replicate())``. No rank hold
 replicated; :func:`atom_keep` (``twinshard.pair.layout``) tells the per-block padding.
 
 Used by ``twinshard.pair.features`` (``distribute``, ``collect_tensor``), which this module
-does not import. :func:`plan_atoms` checks the atom features and raises on every rank
-(``raise_together``) when ``atom_to_token`` is not one-hot, maps atoms to more token columns
-than N, maps a real atom (``atom_pad_mask = 1``) to no token or to two, maps atoms out of token
-order or after an unmapped atom, when the atom features disagree on A, or a token-to-atom map
-(``token_to_rep_atom``) points outside its token's row block.
+does not import. The values of Boltz-2's atom features (``atom_to_token`` one-hot, each real atom
+on exactly one real token, padding atoms last and on none, atoms in token order, each token's
+representative atom its own) are the feature contract's checks
+(``twinshard.pair.feature_contract.check_features``), which ``distribute`` runs before
+:func:`plan_atoms`. :func:`plan_atoms` checks what the placement adds and raises on every rank
+(``raise_together``): ``atom_to_token`` present, atom features of one A, atom-token maps of the
+token features' N, and every token-to-atom map (also those outside the contract, such as
+``token_to_center_atom``) one-hot and inside its token's row block.
 """
 
 from __future__ import annotations
@@ -107,53 +110,26 @@ def _one_hot_rows(name: str, x: torch.Tensor, axis_name: str) -> torch.Tensor:
 
 
 def _rows_of_atoms(features: Mapping[str, torch.Tensor], n: int, grid_shape: tuple[int, ...], nr: int):
-    """Per sample: the token of every mapped atom (checked), starts and counts per grid row."""
+    """Per sample: starts and counts of the atoms per grid row.
+
+    ``atom_to_token``'s values were checked by the feature contract before (``distribute`` runs
+    ``check_contract`` first: 0/1 entries, each real atom on exactly one real token, padding atoms
+    on none and last, real atoms in token order); here only its token count, which the contract
+    cannot compare with token features outside it."""
     x = features[A2T].detach()
     b, a, cols = x.shape
     if cols != n:
-        beyond = x[:, :, n:] != 0 if cols > n else None
-        hint = ""
-        if beyond is not None and bool(beyond.any()):
-            s, i, j = _first(beyond)
-            hint = f": atom {i} of sample {s} is mapped to token {n + j} >= N"
-        raise ValueError(f"atom_to_token is [B, A, {cols}] but the token features have N = {n}{hint}")
-    per_atom = _one_hot_rows(A2T, x, "atom")
-    if bool((per_atom > 1).any()):
-        s, i = _first(per_atom > 1)
         raise ValueError(
-            f"atom_to_token maps atom {i} of sample {s} to {int(per_atom[s, i])} tokens, not one"
+            f"feature {A2T!r} is [B, A, {cols}] but the token features have N = {n}: every atom must "
+            "map to one of the N tokens"
         )
-    mapped = per_atom == 1
-    if ATOM_MASK in features:
-        real = features[ATOM_MASK].detach() != 0
-        lost = real & ~mapped
-        if bool(lost.any()):
-            s, i = _first(lost)
-            raise ValueError(
-                f"atom_to_token maps real atom {i} of sample {s} (atom_pad_mask = 1) to no token"
-            )
+    mapped = (x != 0).any(-1)
     tok = x.argmax(-1)
     rows, nI = grid_shape[0], nr // grid_shape[0]
     starts, counts = [], []
     for s in range(b):
         m = int(mapped[s].sum())
-        if not bool(mapped[s, :m].all()):
-            i = int((~mapped[s, :m]).nonzero()[0])
-            j = m + int(mapped[s, m:].nonzero()[0]) if bool(mapped[s, m:].any()) else m
-            raise ValueError(
-                f"atom_to_token: atom {i} of sample {s} is mapped to no token but atom {j} after it "
-                "is: the atoms mapped to no token (padding) must come last"
-            )
-        t = tok[s, :m]
-        down = t[1:] < t[:-1]
-        if bool(down.any()):
-            i = int(down.nonzero()[0])
-            raise ValueError(
-                f"atom_to_token: atoms out of token order in sample {s}: atom {i + 1} belongs to token "
-                f"{int(t[i + 1])}, after atom {i} of token {int(t[i])} (Boltz's atoms are contiguous "
-                "per token, in token order)"
-            )
-        c = torch.bincount(torch.div(t, nI, rounding_mode="floor"), minlength=rows).tolist()
+        c = torch.bincount(torch.div(tok[s, :m], nI, rounding_mode="floor"), minlength=rows).tolist()
         c[-1] += a - m  # the padding atoms belong to the last grid row
         st = [0]
         for k in c[:-1]:
@@ -212,9 +188,6 @@ def _atom_fields(
     counts = {k: _atom_count(k, kind_of[k], tuple(features[k].shape)) for k in names}
     if len(set(counts.values())) > 1:
         raise ValueError(f"atom features disagree on the atom count A: {counts}")
-    batch = {k: features[k].shape[0] for k in names}
-    if len(set(batch.values())) > 1:
-        raise ValueError(f"atom features disagree on the batch size: {batch}")
     starts, cnts = _rows_of_atoms(features, layout.n_tokens, layout.grid_shape, layout.padded[0])
     fields = {
         "n_atoms": counts[A2T],

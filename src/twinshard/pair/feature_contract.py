@@ -431,7 +431,8 @@ def _bind_sizes(feats: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, str]]
                 _fail(
                     spec.name,
                     f"dim {axis} ({sym}) is {got} but {first!r} has {sym}={size}: inconsistent {sym} "
-                    f"across features (shape {spec.shape}, got {tuple(t.shape)})",
+                    f"across features (shape {spec.shape}, got {tuple(t.shape)})"
+                    + _beyond_hint(spec.name, t, axis, sym, size),
                 )
             sizes.setdefault(sym, (int(got), spec.name))
         if not _is_class(t, spec.dclass):
@@ -443,8 +444,25 @@ def _bind_sizes(feats: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, str]]
     return sizes
 
 
-def _check_atoms(feats: Mapping[str, torch.Tensor], sizes: dict, window: int) -> None:
-    if "A" in sizes and sizes["A"][0] % window:
+def _beyond_hint(name: str, t: torch.Tensor, axis: int, sym: str, size: int) -> str:
+    """For a token map with more token (or atom) columns than the other features: which entry
+    points beyond them (the atom mapped to a token >= N, the token's atom >= A)."""
+    if name not in ("atom_to_token", "token_to_rep_atom") or t.shape[axis] <= size or axis != 2:
+        return ""
+    beyond = t.narrow(axis, size, t.shape[axis] - size) != 0
+    if not bool(beyond.any()):
+        return f"; no entry lies beyond {sym} = {size}: cut the extra columns"
+    b, i, j = _first_bad(beyond)
+    if name == "atom_to_token":
+        return (
+            f"; atom {i} of batch element {b} is mapped to token {size + j} >= N = {size}: every atom "
+            "must map to one of the N tokens of the token features"
+        )
+    return f"; token {i} of batch element {b} has representative atom {size + j} >= A = {size}"
+
+
+def _check_atoms(feats: Mapping[str, torch.Tensor], sizes: dict, window: int | None) -> None:
+    if window and "A" in sizes and sizes["A"][0] % window:
         a, first = sizes["A"]
         _fail(first, f"A = {a} atoms is not a multiple of {window} (Boltz's AtomEncoder windows; pad atoms)")
     if "atom_pad_mask" in feats:
@@ -463,13 +481,24 @@ def _check_atoms(feats: Mapping[str, torch.Tensor], sizes: dict, window: int) ->
     real = feats["atom_pad_mask"] != 0
     count = a2t.sum(-1)
     for cond, what in (
-        (real & (count == 0), "real atom {a} of batch element {b} maps to no token"),
-        (real & (count > 1), "real atom {a} of batch element {b} maps to several tokens"),
-        (~real & (count > 0), "padding atom {a} of batch element {b} (atom_pad_mask 0) maps to a token"),
+        (
+            real & (count == 0),
+            "real atom {a} of batch element {b} maps to no token (atom_pad_mask is 1): map it to "
+            "its token, or mark it padding (atom_pad_mask 0, after the real atoms)",
+        ),
+        (
+            real & (count > 1),
+            "real atom {a} of batch element {b} maps to {k} tokens: each real atom belongs to exactly one",
+        ),
+        (
+            ~real & (count > 0),
+            "padding atom {a} of batch element {b} (atom_pad_mask 0) maps to a token: padding atoms map "
+            "to none",
+        ),
     ):
         if bool(cond.any()):
             b, a = _first_bad(cond)
-            _fail("atom_to_token", what.format(a=a, b=b))
+            _fail("atom_to_token", what.format(a=a, b=b, k=int(count[b, a])))
     token = a2t.to(torch.int64).argmax(-1)  # [B, A]; real atoms only below
     big = torch.iinfo(torch.int64).max
     nxt = torch.where(real, token, big)
@@ -532,7 +561,10 @@ def _check_tokens(feats: Mapping[str, torch.Tensor]) -> None:
 
 
 def check_features(
-    feats: Mapping[str, torch.Tensor], need: Iterable[str] | None = None, *, window: int = WINDOW_QUERIES
+    feats: Mapping[str, torch.Tensor],
+    need: Iterable[str] | None = None,
+    *,
+    window: int | None = WINDOW_QUERIES,
 ) -> None:
     """Raise ``ValueError`` naming the feature and what is wrong if ``feats`` breaks the contract.
 
@@ -542,11 +574,14 @@ def check_features(
     id ranges: ``res_type``/``msa``/``profile`` against the 33 Boltz token classes, ``mol_type``,
     ``method_feature``, ``modified``, ``type_bonds``, ...), and the relations: A a multiple of
     ``window``; padding atoms last; each real atom mapped to exactly one real token, padding
-    atoms to none, real atoms contiguous and in token order (``atom_to_token`` non-decreasing);
+    atoms to none, real atoms contiguous and in token order (``atom_to_token`` non-decreasing;
+    an atom mapped to a token column beyond the token features' N is named);
     each real token's representative atom one of its own; each real token a residue class; an MSA
     of at least one sequence. Zero templates (T = 0) is valid. ``need``: names that must be
     present (e.g. :func:`trunk_feature_names` of the model's configuration); ``None`` requires
-    none. Pure and serial: no communication, ``feats`` untouched.
+    none. ``window=None`` skips the A-multiple-of-window check (the atom encoder, which knows its
+    window, checks it; ``distribute`` passes None). Pure and serial: no communication, ``feats``
+    untouched.
     """
     missing = [n for n in (need or ()) if n not in feats]
     if missing:

@@ -24,8 +24,13 @@ drops the masks ``distribute`` added, so the caller gets its own N and S back.
 With ``src=None`` every rank holds the same full features and slices its tiles
 (no communication). With ``src=k`` only rank k needs them (others may pass
 ``None``): rank k broadcasts the metadata and sends each rank its tiles point to
-point, so no other rank ever holds a full tensor. Input errors (unknown names,
-inconsistent sizes) raise on every rank together.
+point, so no other rank ever holds a full tensor. Input errors raise on every rank together
+(``twinshard.runtime.raise_together``): unknown names, inconsistent sizes, and every violation
+of the Boltz-2 feature contract (:func:`twinshard.pair.feature_contract.check_features`, run on
+the rank(s) holding the data over the contract's features present: values, masks, one-hots,
+id ranges, an atom mapped beyond N, to no token or out of order, an MSA of depth 0, ...). Zero
+templates (T = 0) are valid. A feature the model needs but the dict lacks is the model's check
+(``CPBoltz2Trunk`` names the missing ones on every rank).
 
 The layout travels with the tensors (:mod:`twinshard.pair.layout`, whose names this
 module re-exports). Every DTensor that ``distribute`` or ``shard_tensor`` returns
@@ -70,6 +75,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from twinshard.comm import primitives as P
 from twinshard.pair.atoms import ATOM_FEATURES, atom_tile, plan_atoms, scatter_atom_tile, unblock_atoms
+from twinshard.pair.feature_contract import CONTRACT, check_features
 from twinshard.pair.layout import (
     _SEQ_DIM,
     _TOKEN_DIMS,
@@ -104,6 +110,7 @@ __all__ = [
     "ShardedFeatures",
     "collect",
     "collect_grad",
+    "check_contract",
     "collect_tensor",
     "distribute",
     "layout_kind",
@@ -212,6 +219,21 @@ def _kind_of(name: str, kinds: Mapping[str, str] | None) -> str:
     if kind not in KINDS:
         raise ValueError(f"feature {name!r}: unknown kind {kind!r}; choose one of {list(KINDS)}")
     return kind
+
+
+def check_contract(features: Mapping[str, torch.Tensor], kinds: Mapping[str, str] | None = None) -> None:
+    """:func:`twinshard.pair.feature_contract.check_features` on the features the contract knows
+    (Boltz-2's names at the contract's kind; other names and overridden kinds are left to the
+    placement checks), without requiring any (``need=None``) and without the atom-window check
+    (the atom encoder, which knows its window, checks that). Raises ``ValueError`` naming the
+    feature. Serial; ``distribute`` runs it on the rank(s) holding the data."""
+    known = {
+        k: v
+        for k, v in features.items()
+        if k in CONTRACT and (kinds or {}).get(k, PLACEMENT_TABLE.get(k)) == CONTRACT[k].kind
+    }
+    if known:
+        check_features(known, need=None, window=None)
 
 
 def _plan(
@@ -327,7 +349,11 @@ def distribute(
     Collectives: with ``src=None``, a metadata all-gather (ranks must agree)
     and one status exchange (fail-together check); with ``src``, a metadata
     broadcast, the check, and one point-to-point message per feature and rank
-    from ``src``. Differentiable only with ``src=None`` (tiles are slices of the
+    from ``src``; with atom features one more object exchange and status exchange
+    (``pair.atoms.plan_atoms``). Checks: :func:`check_contract` on the rank(s) holding
+    the data (every rank with ``src=None``, rank ``src`` otherwise), then the placement
+    checks; the first error is raised on every rank (``RankFailure``, step
+    ``pair.features.distribute``). Differentiable only with ``src=None`` (tiles are slices of the
     caller's tensors); the ``src`` path moves data, not gradients.
     """
     if grid.ndim != 2:
@@ -340,16 +366,19 @@ def distribute(
             if features is None:
                 raise ValueError(f"rank {grid.rank} must pass the features (src={src})")
             meta = {k: (tuple(v.shape), v.dtype) for k, v in features.items()}
+            check_contract(features, kinds)  # the contract's value checks, where the data is
         except Exception as exc:  # reported together below
             err = exc
+    src_failed = False
     if src is not None:
-        # Whether rank src's features need gradients travels with the metadata, so every rank
-        # raises together: the point-to-point scatter moves data, not gradients.
+        # Whether rank src's features need gradients (or failed the contract) travels with the
+        # metadata, so every rank raises together: the point-to-point scatter moves data, not
+        # gradients; a failure on src is reported as src's alone (the others do not plan).
         needs_grad = holds_data and features is not None and any(v.requires_grad for v in features.values())
-        box = [(meta, needs_grad)]
+        box = [(meta, needs_grad, err is not None)]
         dist.broadcast_object_list(box, src=src)
-        meta, needs_grad = box[0]
-        if err is None and needs_grad:
+        meta, needs_grad, src_failed = box[0]
+        if err is None and needs_grad and not src_failed:
             err = ValueError(
                 f"distribute(src={src}) scatters data without autograd, but rank {src}'s features "
                 "require grad and their gradients would be dropped: pass src=None with the same "
@@ -366,7 +395,7 @@ def distribute(
                 "from rank 0 in names, shapes or dtypes; or pass them on one rank with src="
             )
     layout = kind_of = None
-    if err is None and meta is not None:
+    if err is None and meta is not None and not src_failed:
         try:
             layout, kind_of = _plan(meta, kinds, tuple(grid.shape))
             if math.prod(grid.shape) > 1 and layout.n_tokens < max(grid.shape):

@@ -42,6 +42,9 @@ UNSPECIFIED and the three constraint classes (with thresholds in [4, 20] A) so t
 Boltz's ``ContactConditioning`` is exercised (Boltz's featuriser gives either all UNSPECIFIED or
 UNSELECTED plus chosen pairs).
 
+:func:`synthetic_sharded` hands out the same dict and its distributed form on a pair grid, placed
+by the production :func:`twinshard.pair.features.distribute` (no second placement path).
+
 Batch elements are different complexes of the same padded sizes: element b > 0 has ``b`` padding
 tokens at the end (at most N // 4, never fewer real tokens than chains) when ``pad_tokens``, and
 ``max(1, S - b)`` real MSA sequences; with T >= 2 the last template of every even element is a
@@ -51,6 +54,8 @@ padding template. Element 0 is always complete (no padding tokens, S real sequen
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.nn.functional import one_hot
@@ -69,8 +74,10 @@ from twinshard.pair.feature_contract import (
     NUM_TOKENS,
     TOKEN_IDS,
 )
+from twinshard.pair.features import ShardedFeatures, distribute
+from twinshard.runtime import ProcessGrid
 
-__all__ = ["synthetic_complex"]
+__all__ = ["synthetic_complex", "synthetic_sharded"]
 
 _PROTEIN_ATOMS = (
     "N", "CA", "C", "O", "CB", "CG", "CD", "NE", "CZ", "NH1", "NH2", "OD1", "ND2", "CE",
@@ -265,6 +272,27 @@ def synthetic_complex(
                 continue
             _fill_template(f, b, t, el, true_ca, g)
     return f
+
+
+def synthetic_sharded(
+    grid: ProcessGrid,
+    n_tokens: int,
+    *args: Any,
+    src: int | None = None,
+    kinds: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> tuple[dict[str, torch.Tensor] | None, ShardedFeatures]:
+    """``(serial dict, ShardedFeatures)``: :func:`synthetic_complex` (same arguments, same seed)
+    and its placement on ``grid`` by :func:`twinshard.pair.features.distribute` (collective: call
+    it on every rank of ``grid``).
+
+    ``src=None``: every rank draws the dict (deterministic in ``seed``, so every rank holds the
+    same) and slices its tiles; every rank returns it. ``src=k``: only rank k draws it and sends
+    each rank its tiles; the other ranks never hold a full tensor and return ``None`` as the
+    serial dict. ``collect(sharded)`` gives the serial dict back on every rank.
+    """
+    held = synthetic_complex(n_tokens, *args, **kwargs) if src is None or grid.rank == src else None
+    return held, distribute(held, grid, src=src, kinds=kinds)
 
 
 def _allocate(b: int, n: int, a: int, s: int, t: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

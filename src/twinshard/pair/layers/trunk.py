@@ -18,7 +18,8 @@ conditioning), ``CPLayerNorm``/``CPLinear`` for recycling, ``CPTemplateV2Module`
 (the first argument's layout, padding zeroed).
 
 Collectives: those of the parts (each part's docstring states its own, forward and backward),
-plus one ``agree_scalars`` per forward (recycling steps, seed, train/eval and grad mode, feature
+plus one status exchange per forward (every feature the configuration reads is present; the
+missing ones named on every rank) and one ``agree_scalars`` (recycling steps, seed, train/eval and grad mode, feature
 names, shapes and dtypes: a rank that loaded another sample or another recycling count raises,
 on every rank, instead of hanging or computing its tiles of another problem).
 
@@ -38,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from twinshard.pair.layers.tokenwise import pointwise
 from twinshard.pair.reference.trunk import Boltz2Trunk, TrunkParts
-from twinshard.runtime.agree import agree_scalars
+from twinshard.runtime.agree import agree_scalars, raise_together
 
 __all__ = ["CPBoltz2Trunk", "cp_parts"]
 
@@ -89,6 +90,26 @@ class CPBoltz2Trunk(Boltz2Trunk):
             if k not in feats:
                 raise KeyError(f"CPBoltz2Trunk: feats has no {k!r}: pass the ShardedFeatures of distribute")
         return feats["token_pad_mask"], feats["pair_mask"]
+
+    def check_features(self, feats: Mapping[str, Any]) -> None:
+        """Every feature this configuration reads (``trunk_feature_names(config)``) must be a
+        distributed tensor of ``feats``; the missing ones are named, on every rank together (one
+        status exchange). Their values were checked by ``distribute`` (the feature contract, on
+        the rank(s) holding the data); the atom window by the atom encoder."""
+        from twinshard.pair.feature_contract import trunk_feature_names
+
+        need = trunk_feature_names(self.config)
+        missing = [k for k in need if not isinstance(feats.get(k), DTensor)]
+        err = None
+        if missing:
+            plain = [k for k in missing if k in feats]
+            err = ValueError(
+                f"feature {missing[0]!r}: is missing (the trunk reads it); all missing: {missing}"
+                + (f" ({plain} are not distributed tensors)" if plain else "")
+                + ": distribute (twinshard.pair.features.distribute) a dict holding every feature "
+                "twinshard.pair.feature_contract.trunk_feature_names(config) lists"
+            )
+        raise_together(err, step=f"{type(self).__name__}.forward (features)")
 
     def control_scalars(self, feats: Mapping[str, Any], recycling_steps: int, seed: int | None) -> None:
         """Every rank must run the same recycling count, seed and mode on the same features."""

@@ -237,6 +237,16 @@ class Boltz2Trunk(nn.Module):
     def control_scalars(self, feats: Mapping[str, Any], recycling_steps: int, seed: int | None) -> None:
         """Serial: nothing to agree on (the twin checks these are equal on every rank)."""
 
+    def check_features(self, feats: Mapping[str, Any]) -> None:
+        """Serial: the whole feature contract (``feature_contract.check_features``) with every
+        feature this configuration reads (:func:`trunk_feature_names`) required and the atom
+        window of the configuration. Raises ``ValueError`` naming the feature."""
+        from twinshard.pair.feature_contract import check_features, trunk_feature_names
+
+        check_features(
+            feats, need=trunk_feature_names(self.config), window=self.config.atoms_per_window_queries
+        )
+
     def forward(
         self, feats: Mapping[str, torch.Tensor], recycling_steps: int = 0, seed: int | None = None
     ) -> dict[str, torch.Tensor]:
@@ -246,6 +256,7 @@ class Boltz2Trunk(nn.Module):
             raise ValueError(
                 "with a dropout seed, recycling_steps must be < 64 (cycle_seed keys 64 per seed)"
             )
+        self.check_features(feats)
         self.control_scalars(feats, recycling_steps, seed)
         s_inputs = self.input_embedder(feats)
         s_init, z_init = self.pair_init(s_inputs, feats)
