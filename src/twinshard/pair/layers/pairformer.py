@@ -203,6 +203,31 @@ class CPPairformerLayer(_PlainArgs, nn.Module):
         )
 
 
+def stack_control_scalars(
+    stack: nn.Module, seed: int | None, masks: dict[str, Any], *xs: Any
+) -> dict[str, Any]:
+    """The values every rank's control flow (or every rank's share of one result) depends on,
+    checked equal before use: the stack's depth, checkpointing, train/eval mode, seed, grad mode,
+    each dropout site's rate and convention (in module order), which masks are given, and the
+    inputs' global shapes, dtypes and token count (a rank that loaded another sample would
+    otherwise compute its tiles of another problem, or hang)."""
+    sites = [m for m in stack.modules() if isinstance(m, CPDropout)]
+    layout = next((lay for lay in (layout_of(x) for x in reversed(xs)) if lay is not None), None)
+    return {
+        "num_blocks": len(stack.layers),
+        "activation_checkpointing": stack.activation_checkpointing,
+        "training": stack.training,
+        "seed": seed,
+        "grad_enabled": torch.is_grad_enabled(),
+        "dropout_p": tuple(m.p for m in sites),
+        "dropout_convention": tuple(m.convention for m in sites),
+        **{k: m is not None for k, m in masks.items()},
+        "shapes": tuple(tuple(getattr(x, "shape", ())) for x in xs),
+        "dtypes": tuple(str(getattr(x, "dtype", None)) for x in xs),
+        "n_tokens": None if layout is None else layout.n_tokens,
+    }
+
+
 class CPPairformerStack(_PlainArgs, nn.Module):
     """``num_blocks`` CP Pairformer layers (the serial ``PairformerStack``'s arguments, names and
     dropout streams); ``activation_checkpointing`` recomputes each layer in backward on every
@@ -245,27 +270,8 @@ class CPPairformerStack(_PlainArgs, nn.Module):
         mask: DTensor | None = None,
         pair_mask: DTensor | None = None,
     ) -> dict[str, Any]:
-        """The values every rank's control flow (or every rank's share of one result) depends on,
-        checked equal before use: the stack's depth, checkpointing, train/eval mode, seed, grad
-        mode, each dropout site's rate and convention (in module order), which masks are given,
-        and the inputs' global shapes, dtypes and token count (a rank that loaded another sample
-        would otherwise compute its tiles of another problem, or hang)."""
-        sites = [m for m in self.modules() if isinstance(m, CPDropout)]
-        layout = layout_of(z) or layout_of(s)
-        return {
-            "num_blocks": len(self.layers),
-            "activation_checkpointing": self.activation_checkpointing,
-            "training": self.training,
-            "seed": seed,
-            "grad_enabled": torch.is_grad_enabled(),
-            "dropout_p": tuple(m.p for m in sites),
-            "dropout_convention": tuple(m.convention for m in sites),
-            "mask": mask is not None,
-            "pair_mask": pair_mask is not None,
-            "shapes": tuple(tuple(getattr(x, "shape", ())) for x in (s, z)),
-            "dtypes": tuple(str(getattr(x, "dtype", None)) for x in (s, z)),
-            "n_tokens": None if layout is None else layout.n_tokens,
-        }
+        """The values checked equal on every rank before use (:func:`stack_control_scalars`)."""
+        return stack_control_scalars(self, seed, {"mask": mask, "pair_mask": pair_mask}, s, z)
 
     def forward(
         self,
@@ -371,21 +377,7 @@ class CPPairformerNoSeqModule(_PlainPairArgs, nn.Module):
         self, seed: int | None, z: Any = None, pair_mask: DTensor | None = None
     ) -> dict[str, Any]:
         """As ``CPPairformerStack.control_scalars``, for ``z`` alone."""
-        sites = [m for m in self.modules() if isinstance(m, CPDropout)]
-        layout = layout_of(z)
-        return {
-            "num_blocks": len(self.layers),
-            "activation_checkpointing": self.activation_checkpointing,
-            "training": self.training,
-            "seed": seed,
-            "grad_enabled": torch.is_grad_enabled(),
-            "dropout_p": tuple(m.p for m in sites),
-            "dropout_convention": tuple(m.convention for m in sites),
-            "pair_mask": pair_mask is not None,
-            "shape": tuple(getattr(z, "shape", ())),
-            "dtype": str(getattr(z, "dtype", None)),
-            "n_tokens": None if layout is None else layout.n_tokens,
-        }
+        return stack_control_scalars(self, seed, {"pair_mask": pair_mask}, z)
 
     def forward(self, z: DTensor, pair_mask: DTensor | None = None, seed: int | None = None) -> DTensor:
         """Run the layers in order: ``z -> z`` (arguments as ``CPPairformerNoSeqLayer``)."""
