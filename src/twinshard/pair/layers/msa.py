@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from twinshard import comm
@@ -62,8 +61,8 @@ from twinshard.pair.layers.tokenwise import checkpointed, pointwise, replicated_
 from twinshard.pair.layers.transition import CPTransition
 from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.reference.msa import (
-    build_msa_layer,
-    build_msa_module,
+    MSALayer,
+    MSAModule,
     check_msa_features,
     msa_input_features,
 )
@@ -85,39 +84,12 @@ def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a + b
 
 
-class CPMSALayer(nn.Module):
+class CPMSALayer(MSALayer):
     """Context-parallel MSA layer (module docstring); the serial ``MSALayer``'s arguments,
     parameters and dropout sites. ``forward(z, m, token_mask=None, msa_mask=None, seed=None) ->
     (z, m)`` on DTensors."""
 
-    def __init__(
-        self,
-        msa_s: int,
-        token_z: int,
-        msa_dropout: float,
-        z_dropout: float,
-        pairwise_head_width: int = 32,
-        pairwise_num_heads: int = 4,
-        convention: str = "boltz",
-        pwa_heads: int = 8,
-        pwa_head_width: int = 32,
-        opm_hidden: int = 32,
-    ):
-        super().__init__()
-        build_msa_layer(
-            self,
-            CP_MSA_PARTS,
-            msa_s,
-            token_z,
-            msa_dropout,
-            z_dropout,
-            pairwise_head_width,
-            pairwise_num_heads,
-            convention,
-            pwa_heads,
-            pwa_head_width,
-            opm_hidden,
-        )
+    PARTS = CP_MSA_PARTS
 
     def forward(
         self,
@@ -139,52 +111,13 @@ class CPMSALayer(nn.Module):
         return z, m
 
 
-class CPMSAModule(nn.Module):
+class CPMSAModule(MSAModule):
     """Context-parallel MSA module (module docstring); the serial ``MSAModule``'s arguments,
     parameters and dropout streams. ``forward(z, emb, feats, seed=None) -> z`` on DTensors and
     the ``ShardedFeatures`` of ``distribute``. ``subsample_msa=True`` raises: subsample the MSA
     features before ``distribute`` (what Boltz's draw does to them)."""
 
-    def __init__(
-        self,
-        msa_s: int,
-        token_z: int,
-        token_s: int,
-        msa_blocks: int,
-        msa_dropout: float,
-        z_dropout: float,
-        pairwise_head_width: int = 32,
-        pairwise_num_heads: int = 4,
-        activation_checkpointing: bool = False,
-        use_paired_feature: bool = True,
-        subsample_msa: bool = False,
-        num_subsampled_msa: int = 1024,
-        convention: str = "boltz",
-        pwa_heads: int = 8,
-        pwa_head_width: int = 32,
-        opm_hidden: int = 32,
-    ):
-        super().__init__()
-        build_msa_module(
-            self,
-            CPMSALayer,
-            msa_s,
-            token_z,
-            token_s,
-            msa_blocks,
-            msa_dropout,
-            z_dropout,
-            pairwise_head_width,
-            pairwise_num_heads,
-            activation_checkpointing,
-            use_paired_feature,
-            subsample_msa,
-            num_subsampled_msa,
-            convention,
-            pwa_heads,
-            pwa_head_width,
-            opm_hidden,
-        )
+    LAYER = CPMSALayer
 
     def control_scalars(self, seed: int | None, z: Any, emb: Any, feats: Mapping[str, Any]) -> dict[str, Any]:
         """Values every rank's control flow depends on, checked equal before use."""

@@ -74,10 +74,10 @@ from twinshard.pair.layers.triangle_attention import (
     CPTriangleAttentionStartingNode,
 )
 from twinshard.pair.reference.pairformer import (
+    PairformerNoSeqLayer,
+    PairformerNoSeqModule,
     PairformerParts,
     build_layer,
-    build_noseq_layer,
-    build_noseq_stack,
     build_stack,
 )
 from twinshard.pair.tiling import PAIR, SINGLE, check_placements
@@ -308,70 +308,24 @@ def _check_noseq_input(z: Any, what: str) -> None:
         raise ValueError(f"{what}: expected z[B, N, N, c_z], got {tuple(z.shape)}")
 
 
-class CPPairformerNoSeqLayer(_PlainPairArgs, nn.Module):
+class CPPairformerNoSeqLayer(_PlainPairArgs, PairformerNoSeqLayer):
     """Context-parallel ``PairformerNoSeqLayer``: the pair half of ``CPPairformerLayer`` alone
     (module docstring). ``forward(z, pair_mask=None, seed=None) -> z`` on DTensors."""
 
-    def __init__(
-        self,
-        token_z: int,
-        dropout: float = 0.25,
-        pairwise_head_width: int = 32,
-        pairwise_num_heads: int = 4,
-        post_layer_norm: bool = False,
-        convention: str = "boltz",
-    ):
-        super().__init__()
-        build_noseq_layer(
-            self,
-            CP_PARTS,
-            token_z,
-            dropout,
-            pairwise_head_width,
-            pairwise_num_heads,
-            post_layer_norm,
-            convention,
-        )
-
+    PARTS = CP_PARTS
     pair_stack = CPPairformerLayer.pair_stack
 
     def forward(self, z: DTensor, pair_mask: DTensor | None = None, seed: int | None = None) -> DTensor:
         _check_noseq_input(z, type(self).__name__)
         return self.pair_stack(z, pair_mask, seed)
 
-    def extra_repr(self) -> str:
-        return f"token_z={self.token_z}, dropout={self.dropout}, convention={self.convention!r}"
 
-
-class CPPairformerNoSeqModule(_PlainPairArgs, nn.Module):
+class CPPairformerNoSeqModule(_PlainPairArgs, PairformerNoSeqModule):
     """``num_blocks`` CP no-sequence layers (the serial ``PairformerNoSeqModule``'s arguments,
     names and dropout streams); one ``agree_scalars`` per forward, checkpointing as
     ``CPPairformerStack``."""
 
-    def __init__(
-        self,
-        token_z: int,
-        num_blocks: int,
-        dropout: float = 0.25,
-        pairwise_head_width: int = 32,
-        pairwise_num_heads: int = 4,
-        post_layer_norm: bool = False,
-        activation_checkpointing: bool = False,
-        convention: str = "boltz",
-    ):
-        super().__init__()
-        build_noseq_stack(
-            self,
-            CPPairformerNoSeqLayer,
-            token_z,
-            num_blocks,
-            dropout,
-            pairwise_head_width,
-            pairwise_num_heads,
-            post_layer_norm,
-            activation_checkpointing,
-            convention,
-        )
+    LAYER = CPPairformerNoSeqLayer
 
     def control_scalars(
         self, seed: int | None, z: Any = None, pair_mask: DTensor | None = None

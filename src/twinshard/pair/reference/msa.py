@@ -128,7 +128,10 @@ SERIAL_MSA_PARTS = {
 
 class MSALayer(nn.Module):
     """One MSA layer (module docstring): ``forward(z, m, token_mask, msa_mask, seed=None) ->
-    (z, m)``; ``token_mask`` is the pair mask ``[B, N, N]``, ``msa_mask`` ``[B, S, N]``."""
+    (z, m)``; ``token_mask`` is the pair mask ``[B, N, N]``, ``msa_mask`` ``[B, S, N]``. The CP
+    twin subclasses it with its own ``PARTS`` (same names, same order)."""
+
+    PARTS = SERIAL_MSA_PARTS
 
     def __init__(
         self,
@@ -146,7 +149,7 @@ class MSALayer(nn.Module):
         super().__init__()
         build_msa_layer(
             self,
-            SERIAL_MSA_PARTS,
+            self.PARTS,
             msa_s,
             token_z,
             msa_dropout,
@@ -218,6 +221,8 @@ class MSAModule(nn.Module):
     """Serial MSA module (module docstring): ``forward(z, emb, feats, seed=None,
     msa_indices=None) -> z`` with ``z[B, N, N, token_z]``, ``emb[B, N, token_s]``."""
 
+    LAYER: type[nn.Module] = MSALayer  # the CP twin's: CPMSALayer
+
     def __init__(
         self,
         msa_s: int,
@@ -240,7 +245,7 @@ class MSAModule(nn.Module):
         super().__init__()
         build_msa_module(
             self,
-            MSALayer,
+            self.LAYER,
             msa_s,
             token_z,
             token_s,

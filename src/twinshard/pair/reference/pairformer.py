@@ -347,6 +347,8 @@ class PairformerNoSeqLayer(nn.Module):
     ``forward(z, pair_mask=None, seed=None) -> z``; dropout as ``PairformerLayer`` (a lone
     layer needs ``assign_dropout_streams``; ``seed`` in training mode with dropout)."""
 
+    PARTS = SERIAL_PARTS  # the CP twin's: CP_PARTS
+
     def __init__(
         self,
         token_z: int,
@@ -359,7 +361,7 @@ class PairformerNoSeqLayer(nn.Module):
         super().__init__()
         build_noseq_layer(
             self,
-            SERIAL_PARTS,
+            self.PARTS,
             token_z,
             dropout,
             pairwise_head_width,
@@ -387,6 +389,8 @@ class PairformerNoSeqModule(nn.Module):
     ``PairformerNoSeqModule``): ``forward(z, pair_mask=None, seed=None) -> z``. Dropout streams
     and activation checkpointing as ``PairformerStack``."""
 
+    LAYER: type[nn.Module] = PairformerNoSeqLayer  # the CP twin's: CPPairformerNoSeqLayer
+
     def __init__(
         self,
         token_z: int,
@@ -401,7 +405,7 @@ class PairformerNoSeqModule(nn.Module):
         super().__init__()
         build_noseq_stack(
             self,
-            PairformerNoSeqLayer,
+            self.LAYER,
             token_z,
             num_blocks,
             dropout,
