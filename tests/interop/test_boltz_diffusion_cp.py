@@ -59,7 +59,14 @@ def _boltz_chain(mods, feats, x, times, m):
     torch.Tensor.float = lambda self, *a, **k: self.double()
     try:
         q, c, to_keys, eb, db, tb = mods["cond"](x["s_trunk"], x["z_trunk"], x["relpos"], feats)
-        dc = {"q": q, "c": c, "to_keys": to_keys, "atom_enc_bias": eb, "atom_dec_bias": db, "token_trans_bias": tb}
+        dc = {
+            "q": q,
+            "c": c,
+            "to_keys": to_keys,
+            "atom_enc_bias": eb,
+            "atom_dec_bias": db,
+            "token_trans_bias": tb,
+        }
         return mods["score"](
             s_inputs=x["s_inputs"],
             s_trunk=x["s_trunk"],
@@ -82,7 +89,10 @@ def test_cp_twin_of_diffusion_vs_boltz(grid, w, h, n, m, seed):
     cfg, case = _case(w, h, n, m, seed)
     theirs = _boltz(cfg)
     ref = serial_reference(
-        theirs, lambda **x: _boltz_chain(theirs, case["feats"], x, case["times"], m), {k: case[k] for k in KINDS}, 6
+        theirs,
+        lambda **x: _boltz_chain(theirs, case["feats"], x, case["times"], m),
+        {k: case[k] for k in KINDS},
+        6,
     )
     ref["serial_param_grads"] = {k: p.grad for k, p in theirs.named_parameters() if p.requires_grad}
     what = f"cp_twin_of(boltz diffusion) {w}x{h} N={n} m={m}"

@@ -52,7 +52,14 @@ def _serial(cfg: dict) -> nn.ModuleDict:
 
 def _chain(mods, feats, x, times, m):
     q, c, to_keys, eb, db, tb = mods["cond"](x["s_trunk"], x["z_trunk"], x["relpos"], feats)
-    dc = {"q": q, "c": c, "to_keys": to_keys, "atom_enc_bias": eb, "atom_dec_bias": db, "token_trans_bias": tb}
+    dc = {
+        "q": q,
+        "c": c,
+        "to_keys": to_keys,
+        "atom_enc_bias": eb,
+        "atom_dec_bias": db,
+        "token_trans_bias": tb,
+    }
     return mods["score"](x["s_inputs"], x["s_trunk"], x["r"], x.get("times", times), feats, dc, m)
 
 
@@ -65,7 +72,10 @@ def _rank(grid, w, h, n, m, seed):
     cfg, case = _case(w, h, n, m, seed)
     serial = _serial(cfg)
     twin = nn.ModuleDict(
-        {"cond": CPDiffusionConditioning(**cfg).double(), "score": CPDiffusionModule(**module_config(cfg)).double()}
+        {
+            "cond": CPDiffusionConditioning(**cfg).double(),
+            "score": CPDiffusionModule(**module_config(cfg)).double(),
+        }
     )
     twin.load_state_dict(serial.state_dict(), strict=True)
     return run_twin(grid, twin, case, m)

@@ -74,7 +74,6 @@ from twinshard.pair.layers.atom_encoder import (
 from twinshard.pair.layers.atom_transformer import CPAtomTransformer, HaloKeys, window_plan
 from twinshard.pair.layers.attention import CPAttentionPairBias
 from twinshard.pair.layers.tokenwise import replicated_params
-from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.layers.triangle_attention import Packed
 from twinshard.pair.layout import PairLayout, layout_of
 from twinshard.pair.reference.atom_encoder import atom_tokens, token_pair_gather
@@ -131,7 +130,9 @@ def tile_call(module: nn.Module, like: DTensor, args: Sequence[Any], exclude: tu
     synced = replicated_params([p for _, p in named], like)
     module._on_tile = True  # type: ignore[assignment]
     try:
-        return functional_call(module, {n: s for (n, _), s in zip(named, synced)}, tuple(args), tie_weights=False)
+        return functional_call(
+            module, {n: s for (n, _), s in zip(named, synced)}, tuple(args), tie_weights=False
+        )
     finally:
         module._on_tile = False  # type: ignore[assignment]
 
@@ -188,7 +189,9 @@ class _ZBand(torch.autograd.Function):
         return gz, None, None, None
 
 
-def z_band(zt: torch.Tensor, key_tokens: torch.Tensor, grid: ProcessGrid) -> tuple[torch.Tensor, torch.Tensor]:
+def z_band(
+    zt: torch.Tensor, key_tokens: torch.Tensor, grid: ProcessGrid
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Z[b, I_r, band_b], band starts [B])`` for the key atoms' global tokens ``key_tokens[B,
     ...]`` (-1: no token): the band is ``[min, max]`` of each element's tokens."""
     b = key_tokens.shape[0]
@@ -202,22 +205,30 @@ def z_band(zt: torch.Tensor, key_tokens: torch.Tensor, grid: ProcessGrid) -> tup
     return _ZBand.apply(zt.contiguous(), bands, grid, "diffcond:z_band"), starts
 
 
-def trunk_conditioned_encoder(enc: CPAtomEncoder, feats: Mapping[str, Any], tile: TileFeatures, s_trunk, z) -> tuple:
+def trunk_conditioned_encoder(
+    enc: CPAtomEncoder, feats: Mapping[str, Any], tile: TileFeatures, s_trunk, z
+) -> tuple:
     """``CPAtomEncoder(structure_prediction=True).forward`` on DTensors (module docstring)."""
     what = type(enc).__name__
     check_placements(s_trunk, SINGLE, f"{what} input s_trunk", ndim=3)
     check_placements(z, PAIR, f"{what} input z", ndim=4)
     zp = tile_call(enc.z_to_p_trans, z, (z.to_local(),))  # tile-local; gradients summed over the grid
-    q, c, p, to_keys = tile_call(enc, feats["ref_pos"], (tile, s_trunk.to_local(), zp), exclude=("z_to_p_trans.",))
+    q, c, p, to_keys = tile_call(
+        enc, feats["ref_pos"], (tile, s_trunk.to_local(), zp), exclude=("z_to_p_trans.",)
+    )
     return atom_dtensor(q, tile), atom_dtensor(c, tile), p, to_keys
 
 
-def conditioned_tile_forward(enc: CPAtomEncoder, feats: TileFeatures, s_tile: torch.Tensor, zp: torch.Tensor) -> tuple:
+def conditioned_tile_forward(
+    enc: CPAtomEncoder, feats: TileFeatures, s_tile: torch.Tensor, zp: torch.Tensor
+) -> tuple:
     """The tile computation of the trunk-conditioned atom encoder (``zp`` the projected pair tile)."""
     w, h = enc.atoms_per_window_queries, enc.atoms_per_window_keys
     layout, grid = feats.layout, feats.grid
     if layout.n_atoms % w:  # type: ignore[operator]
-        raise ValueError(f"{layout.n_atoms} atoms are not a whole number of windows of {w}: pad A (Boltz pads it)")
+        raise ValueError(
+            f"{layout.n_atoms} atoms are not a whole number of windows of {w}: pad A (Boltz pads it)"
+        )
     plan = window_plan(layout, grid, w, h)
     q = enc.embed_atom_features(enc.atom_features(feats))
     a2t = feats["atom_to_token"]
@@ -259,7 +270,7 @@ class CPPairwiseConditioning(PairwiseConditioning):
 
     _on_tile: bool = False
 
-    def forward(self, z_trunk, token_rel_pos_feats):  # type: ignore[override]
+    def forward(self, z_trunk: Any, token_rel_pos_feats: Any) -> Any:  # type: ignore[override]
         if self._on_tile:
             return PairwiseConditioning.forward(self, z_trunk, token_rel_pos_feats)
         what = type(self).__name__
@@ -305,7 +316,7 @@ class CPBiasAttention(CPAttentionPairBias):
         AttentionPairBias.__init__(self, c_s, num_heads, num_heads, inf)
         del self.proj_z
 
-    def project(self, s, z, k_in=None):  # type: ignore[override]
+    def project(self, s: torch.Tensor, z: torch.Tensor, k_in: torch.Tensor | None = None) -> tuple:  # type: ignore[override]
         k_in = s if k_in is None else k_in
         heads = (self.num_heads, self.head_dim)
         q = self.proj_q(s).unflatten(-1, heads) / math.sqrt(self.head_dim)
@@ -325,7 +336,7 @@ class CPTokenTransformer(DiffusionTransformer):
             att = layer.pair_bias_attn
             layer.pair_bias_attn = CPBiasAttention(att.c_s, att.num_heads, att.inf)
 
-    def forward(self, a, s, bias, mask, multiplicity: int = 1):  # type: ignore[override]
+    def forward(self, a: Any, s: Any, bias: Any, mask: Any, multiplicity: int = 1) -> Any:  # type: ignore[override]
         mesh, layout = a.device_mesh, layout_of(a)
         depth = len(self.layers)
         heads = bias.shape[-1] // depth
@@ -337,7 +348,9 @@ class CPTokenTransformer(DiffusionTransformer):
 
         for i, layer in enumerate(self.layers):
             b = tile_call(layer.adaln, a, (a_t, s_t))
-            bias_l = from_local(b_t[..., i * heads : (i + 1) * heads].repeat_interleave(multiplicity, 0), mesh, PAIR)
+            bias_l = from_local(
+                b_t[..., i * heads : (i + 1) * heads].repeat_interleave(multiplicity, 0), mesh, PAIR
+            )
             bias_l = with_layout(bias_l, bias, "pair") if layout_of(bias) is not None else bias_l
             b = layer.pair_bias_attn(single(b), bias_l, mask).to_local()
             gate = torch.sigmoid(tile_call(layer.output_projection_linear, a, (s_t,)))
@@ -364,7 +377,16 @@ class CPDiffusionModule(DiffusionModule):
     def _token_transformer(self, **kwargs: Any) -> nn.Module:
         return CPTokenTransformer(**kwargs)
 
-    def forward(self, s_inputs, s_trunk, r_noisy, times, feats, diffusion_conditioning, multiplicity: int = 1):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        self,
+        s_inputs: Any,
+        s_trunk: Any,
+        r_noisy: Any,
+        times: Any,
+        feats: Any,
+        diffusion_conditioning: Any,
+        multiplicity: int = 1,
+    ) -> Any:
         m = int(multiplicity)
         what = type(self).__name__
         dc = diffusion_conditioning
@@ -385,7 +407,9 @@ class CPDiffusionModule(DiffusionModule):
             return with_layout(from_local(x, mesh, SINGLE), tl, "single")
 
         st, si = s_trunk.to_local(), s_inputs.to_local()
-        s, _ = tile_call(self.single_conditioner, s_trunk, (times, st.repeat_interleave(m, 0), si.repeat_interleave(m, 0)))
+        s, _ = tile_call(
+            self.single_conditioner, s_trunk, (times, st.repeat_interleave(m, 0), si.repeat_interleave(m, 0))
+        )
         s = single(s)
         halo = sample_keys(dc["to_keys"], layout, grid, m, st.device)
         like = feats["ref_pos"]
