@@ -1071,6 +1071,23 @@ MUTATIONS: list[Mutation] = [
         "with torch.set_grad_enabled(grad):",
         ("tests/pair/test_trunk_cp.py::test_only_the_last_cycle_keeps_activations",),
     ),
+    # -- the structure module's conditioning and score model (issue 20)
+    M(
+        "z_band_one_column_short",
+        "z band fetched one column short",
+        "pair/layers/diffusion.py",
+        "lo, hi = max(band[0], c * n_j), min(band[1], (c + 1) * n_j)",
+        "lo, hi = max(band[0], c * n_j), min(band[1] - 1, (c + 1) * n_j)",
+        ("tests/pair/test_diffusion_cp.py::test_cp_diffusion_matches_serial[2x2-W8-N11-m2]",),
+    ),
+    M(
+        "multiplicity_samples_mispaired",
+        "a sample's coordinates paired with another sample's conditioning",
+        "pair/layers/diffusion.py",
+        "(times, st.repeat_interleave(m, 0), si.repeat_interleave(m, 0))",
+        "(times, st.repeat(m, 1, 1), si.repeat(m, 1, 1))",
+        ("tests/pair/test_diffusion_cp.py::test_cp_diffusion_matches_serial[2x2-W8-N11-m2]",),
+    ),
 ]
 
 

@@ -81,6 +81,10 @@ SUPPORTED = (
     "InputEmbedder",
     "AtomEncoder",
     "AtomAttentionEncoder",
+    # the structure module's first part (issue 20): Boltz2.diffusion_conditioning and
+    # Boltz2.structure_module.score_model
+    "DiffusionConditioning",
+    "DiffusionModule",
 )
 
 
@@ -127,6 +131,7 @@ def boltz_modules() -> dict[str, type]:
         "InputEmbedder": InputEmbedder,
         "AtomEncoder": AtomEncoder,
         "AtomAttentionEncoder": AtomAttentionEncoder,
+        **_diffusion_modules(),
     }
 
 
@@ -360,6 +365,8 @@ def twin_config(module: nn.Module) -> tuple[str, dict[str, Any]]:
         return kind, _msa_module_config(module)
     if kind in _PAIR_INIT_KINDS:
         return kind, _pair_init_config(kind, module)
+    if kind in _DIFFUSION_KINDS:
+        return kind, _diffusion_config(kind, module)
     if kind == "InputEmbedder":
         return kind, _embedder_config(module)
     if kind == "AtomEncoder":
@@ -394,6 +401,10 @@ def _twin_class(kind: str) -> type:
         return CPPairformerLayer if kind == "PairformerLayer" else CPPairformerStack
     if kind in _PAIR_INIT_KINDS:
         return _pair_init_class(kind)
+    if kind in _DIFFUSION_KINDS:
+        from twinshard.pair.layers.diffusion import CPDiffusionConditioning, CPDiffusionModule
+
+        return {"DiffusionConditioning": CPDiffusionConditioning, "DiffusionModule": CPDiffusionModule}[kind]
     if kind in ("PairformerNoSeqLayer", "PairformerNoSeqModule"):
         from twinshard.pair.layers.pairformer import CPPairformerNoSeqLayer, CPPairformerNoSeqModule
 
@@ -585,3 +596,79 @@ def cp_trunk_of(model: nn.Module, convention: str = "boltz") -> nn.Module:
         raise RuntimeError(f"CPBoltz2Trunk registers parameters {ours}, Boltz2's trunk {theirs}")
     twin.train(model.training)
     return twin
+
+
+# -- the structure module's conditioning and score model (issue 20) -------------------------------
+
+_DIFFUSION_KINDS = ("DiffusionConditioning", "DiffusionModule")
+
+
+def _diffusion_modules() -> dict[str, type]:
+    from boltz.model.modules.diffusion_conditioning import DiffusionConditioning
+    from boltz.model.modules.diffusionv2 import DiffusionModule
+
+    return {"DiffusionConditioning": DiffusionConditioning, "DiffusionModule": DiffusionModule}
+
+
+def _transitions(ts: nn.ModuleList, dim: int, what: str) -> int:
+    for t in ts:
+        if int(t.fc1.out_features) != 2 * dim:
+            raise TypeError(f"a boltz {what} whose transitions are not 2 x {dim} wide has no CP twin")
+    return len(ts)
+
+
+def _heads(projs: nn.ModuleList) -> tuple[int, int]:
+    return len(projs), int(projs[0][1].out_features)
+
+
+def _diffusion_config(kind: str, module: nn.Module) -> dict[str, Any]:
+    if kind == "DiffusionConditioning":
+        enc = module.atom_encoder
+        tz = int(module.pairwise_conditioner.dim_pairwise_init_proj[1].out_features)
+        e_d, e_h = _heads(module.atom_enc_proj_z)
+        d_d, d_h = _heads(module.atom_dec_proj_z)
+        t_d, t_h = _heads(module.token_trans_proj_z)
+        return {
+            "token_s": _width(enc.s_to_c_trans[0]),
+            "token_z": tz,
+            "atom_s": int(enc.embed_atom_features.out_features),
+            "atom_z": int(enc.embed_atompair_ref_pos.out_features),
+            "atoms_per_window_queries": int(enc.atoms_per_window_queries),
+            "atoms_per_window_keys": int(enc.atoms_per_window_keys),
+            "atom_encoder_depth": e_d,
+            "atom_encoder_heads": e_h,
+            "token_transformer_depth": t_d,
+            "token_transformer_heads": t_h,
+            "atom_decoder_depth": d_d,
+            "atom_decoder_heads": d_h,
+            "atom_feature_dim": int(enc.embed_atom_features.in_features),
+            "conditioning_transition_layers": _transitions(
+                module.pairwise_conditioner.transitions, tz, "PairwiseConditioning"
+            ),
+            "use_no_atom_char": bool(enc.use_no_atom_char),
+            "use_atom_backbone_feat": bool(enc.use_atom_backbone_feat),
+            "use_residue_feats_atoms": bool(enc.use_residue_feats_atoms),
+        }
+    sc = module.single_conditioner
+    if sc.disable_times:
+        raise TypeError("a boltz SingleConditioning with disable_times=True has no CP twin")
+    enc = module.atom_attention_encoder.atom_encoder
+    dec = module.atom_attention_decoder.atom_decoder
+    ts2 = _width(sc.norm_single)
+    return {
+        "token_s": ts2 // 2,
+        "atom_s": int(module.atom_attention_encoder.r_to_q_trans.out_features),
+        "atoms_per_window_queries": int(module.atoms_per_window_queries),
+        "atoms_per_window_keys": int(module.atoms_per_window_keys),
+        "sigma_data": module.sigma_data,
+        "dim_fourier": int(sc.fourier_embed.proj.out_features),
+        "atom_encoder_depth": len(enc.diffusion_transformer.layers),
+        "atom_encoder_heads": int(enc.diffusion_transformer.layers[0].pair_bias_attn.num_heads),
+        "token_transformer_depth": len(module.token_transformer.layers),
+        "token_transformer_heads": int(module.token_transformer.layers[0].pair_bias_attn.num_heads),
+        "atom_decoder_depth": len(dec.diffusion_transformer.layers),
+        "atom_decoder_heads": int(dec.diffusion_transformer.layers[0].pair_bias_attn.num_heads),
+        "conditioning_transition_layers": _transitions(sc.transitions, ts2, "SingleConditioning"),
+        "activation_checkpointing": bool(module.activation_checkpointing),
+        "transformer_post_ln": isinstance(enc.diffusion_transformer.layers[0].post_lnorm, nn.LayerNorm),
+    }

@@ -8,6 +8,7 @@ Inputs and outputs are DTensors at the placements of ``twinshard.pair.tiling``.
 from twinshard.pair.layers.atom_encoder import CPAtomAttentionEncoder, CPAtomEncoder
 from twinshard.pair.layers.atom_transformer import CPAtomTransformer
 from twinshard.pair.layers.attention import CPAttentionPairBias
+from twinshard.pair.layers.diffusion import CPDiffusionConditioning, CPDiffusionModule
 from twinshard.pair.layers.distogram import CPDistogramHead
 from twinshard.pair.layers.dropout import CPDropout
 from twinshard.pair.layers.input_embedder import CPInputEmbedder
@@ -79,4 +80,6 @@ __all__ = [
     "grad_group",
     "pointwise",
     "replicated_params",
+    "CPDiffusionConditioning",
+    "CPDiffusionModule",
 ]

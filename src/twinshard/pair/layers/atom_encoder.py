@@ -114,18 +114,28 @@ def atom_dtensor(x: torch.Tensor, tile: TileFeatures) -> DTensor:
 
 
 class CPAtomEncoder(AtomEncoder):
-    """Context-parallel atom encoder (module docstring); ``forward(feats)``."""
+    """Context-parallel atom encoder (module docstring); ``forward(feats)``, and with
+    ``structure_prediction`` ``forward(feats, s_trunk, z)`` (``s_trunk`` single, ``z`` the
+    conditioned pair, DTensors): the trunk conditioning of
+    :mod:`twinshard.pair.layers.diffusion` (``z_to_p`` from the band of ``z``'s columns)."""
 
     def forward(self, feats: Mapping[str, Any], s_trunk=None, z=None) -> tuple:
-        if s_trunk is not None or z is not None:
-            raise NotImplementedError("the trunk conditioning (s_trunk, z) is the structure module's")
+        self._check_trunk(s_trunk, z)
         if isinstance(feats, TileFeatures):
-            return self._tile_forward(feats)
+            return self._tile_forward(feats, s_trunk, z)
         tile = tile_features(feats, type(self).__name__)
+        if self.structure_prediction:
+            from twinshard.pair.layers.diffusion import trunk_conditioned_encoder
+
+            return trunk_conditioned_encoder(self, feats, tile, s_trunk, z)
         q, c, p, to_keys = synced_call(self, feats["ref_pos"], (tile,))
         return atom_dtensor(q, tile), atom_dtensor(c, tile), p, to_keys
 
-    def _tile_forward(self, feats: TileFeatures) -> tuple:
+    def _tile_forward(self, feats: TileFeatures, s_trunk=None, zp=None) -> tuple:
+        if self.structure_prediction:
+            from twinshard.pair.layers.diffusion import conditioned_tile_forward
+
+            return conditioned_tile_forward(self, feats, s_trunk, zp)
         w, h = self.atoms_per_window_queries, self.atoms_per_window_keys
         if feats.layout.n_atoms % w:  # type: ignore[operator]
             raise ValueError(

@@ -267,11 +267,16 @@ class AtomTransformer(nn.Module):
         key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q, c[B, A, ...]`` (A = K W), ``bias[B, K, W, H, ...]``, ``to_keys(x[B, A, ...]) ->
-        [B, K, H, ...]``, ``mask[B, A]``; ``key_mask[B, K, H]`` (default: the keys of ``mask``)."""
-        if multiplicity != 1:
-            raise NotImplementedError("multiplicity > 1 belongs to the structure module (next issue)")
+        [B, K, H, ...]``, ``mask[B, A]``; ``key_mask[B, K, H]`` (default: the keys of ``mask``).
+        With ``multiplicity`` m: ``q, c, mask`` hold ``B m`` samples (sample ``b m + j`` is the
+        j-th of element b) and the bias (and a given key mask) of element b serves all m
+        (Boltz-2's ``repeat_interleave``)."""
         w, h = self.attn_window_queries, self.attn_window_keys
         b, a, d = q.shape
+        if multiplicity != 1:  # q, c, mask [B m, A, ...]; bias [B, K, W, H, ...] shared by the m samples
+            bias = bias.repeat_interleave(multiplicity, 0)
+            if key_mask is not None and key_mask.shape[0] != b:
+                key_mask = key_mask.repeat_interleave(multiplicity, 0)
         if a % w:
             raise ValueError(f"{a} atoms are not a whole number of windows of {w}: pad A (Boltz pads it)")
         k = a // w
