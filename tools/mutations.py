@@ -312,6 +312,22 @@ MUTATIONS: list[Mutation] = [
         "",
         ("tests/atoms/test_nose_hoover.py",),
     ),
+    M(
+        "npt_virial_not_reduced",
+        "missing reduction",
+        "atoms/parallel/distributed.py",
+        "virial = total[1:].reshape(3, 3)",
+        "virial = pair.virial.reshape(3, 3).to(dtype)",
+        ("tests/atoms/test_npt.py",),
+    ),
+    M(
+        "npt_cell_one_rank",
+        "replicated value diverges",
+        "atoms/dynamics/integrators.py",
+        "self._engine.set_cell(self.cell().to(positions.dtype))  # every rank, the same cell",
+        "_ = self._rank == 0 and self._engine.set_cell(self.cell().to(positions.dtype))",
+        ("tests/atoms/test_npt.py",),
+    ),
     # -- atoms: the files of an MD run (torn tails of a killed run, unwritable paths)
     M(
         "torn_frame_left_in_place",

@@ -127,7 +127,39 @@ def _block_inputs_drops_wrap_shift(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ShardedSystem, "edge_shifts", edge_shifts)
 
 
+def _npt_virial_local(mp: pytest.MonkeyPatch) -> None:
+    """The barostat's virial is this rank's partial sum: the potential's all-reduce of
+    ``[energy, virial]`` reduces the energy only."""
+    from twinshard.atoms.parallel import distributed
+
+    prim = distributed.prim
+    orig = prim.all_reduce
+
+    def all_reduce(x, group=None, op="all_reduce"):  # noqa: ANN001, ANN202
+        out = orig(x, group, op=op)
+        if op == "potential" and x.numel() == 10:
+            out = torch.cat([out[:1], x[1:]])
+        return out
+
+    mp.setattr(distributed, "prim", types.SimpleNamespace(**{**vars(prim), "all_reduce": all_reduce}))
+
+
+def _npt_cell_one_rank(mp: pytest.MonkeyPatch) -> None:
+    """The barostat's new cell reaches rank 0's engine only."""
+    from twinshard.atoms.dynamics.driver import DistributedEngine
+
+    orig = DistributedEngine.set_cell
+
+    def set_cell(self, cell):  # noqa: ANN001, ANN202
+        if self.rank == 0:
+            orig(self, cell)
+
+    mp.setattr(DistributedEngine, "set_cell", set_cell)
+
+
 PLANTS = {
+    "npt_virial_local": _npt_virial_local,
+    "npt_cell_one_rank": _npt_cell_one_rank,
     "block_inputs_drops_wrap_shift": _block_inputs_drops_wrap_shift,
     "no_param_sync": _no_param_sync,
     "halo_reverse_misrouted": _halo_reverse_misrouted,

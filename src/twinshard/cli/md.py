@@ -104,6 +104,23 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--chain", type=_positive, default=3, metavar="N", help="Nose-Hoover chain length")
     p.add_argument(
+        "--pressure",
+        type=float,
+        default=None,
+        metavar="BAR",
+        help="NPT at this pressure (bar) with --barostat (needs a cell periodic along all axes)",
+    )
+    p.add_argument(
+        "--barostat",
+        choices=("mtk",),
+        default="mtk",
+        help="mtk: isotropic Martyna-Tobias-Klein with Nose-Hoover chains (with --thermostat nose-hoover)",
+    )
+    p.add_argument(
+        "--pdamp", type=float, default=None, metavar="FS", help="barostat time scale, fs (default 1000 dt)"
+    )
+    p.add_argument("--pchain", type=_positive, default=3, metavar="N", help="barostat chain length")
+    p.add_argument(
         "--atoms",
         type=_positive,
         default=None,
@@ -156,8 +173,8 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="continue from a checkpoint (any rank count) up to --steps, which counts the whole run; "
-        "give the same --thermostat/--dt/--temperature/--friction/--seed/--tdamp/--chain and potential "
-        "options",
+        "give the same --thermostat/--dt/--temperature/--friction/--seed/--tdamp/--chain (and "
+        "--pressure/--barostat/--pdamp/--pchain) and potential options",
     )
     p.add_argument(
         "--allow-changed-potential",
@@ -214,7 +231,8 @@ def _print_summary(result: dict[str, Any], cfg: MDConfig) -> None:
         f"(grid {result['rank_grid']}), potential {result['potential']}, "
         f"{result['steps']} steps of {cfg.dt} fs, thermostat {result['thermostat']}"
     )
-    for k in RESULT_KEYS[4:] + ("final_temperature", "conserved_drift", "atoms_conserved"):
+    extra = ("final_volume", "mean_pressure") if result.get("final_volume") is not None else ()
+    for k in RESULT_KEYS[4:] + ("final_temperature", "conserved_drift", "atoms_conserved") + extra:
         print(f"  {k:30s} {result.get(k)}")
     if cfg.thermo and os.path.exists(cfg.thermo):
         print(f"  thermo log: {cfg.thermo}")

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from twinshard.atoms.data.system import System
+from twinshard.atoms.dynamics.integrators import npt_integrator
 from twinshard.atoms.dynamics.md import (
     Langevin,
     NoseHooverChain,
@@ -125,9 +126,17 @@ def _integrator(
     seed: int,
     tdamp: float | None = None,
     chain: int = 3,
+    pressure: float | None = None,
+    barostat: str = "mtk",
+    pdamp: float | None = None,
+    pchain: int = 3,
 ) -> VelocityVerlet:
     if isinstance(thermostat, VelocityVerlet):
+        if pressure is not None:
+            raise ValueError("give pressure= with a thermostat name, or an IsotropicMTK integrator alone")
         return thermostat
+    if pressure is not None:
+        return npt_integrator(thermostat, barostat, dt, temperature, pressure, tdamp, pdamp, chain, pchain)
     if thermostat in ("none", "nve"):
         return VelocityVerlet(dt)
     if thermostat == "langevin":
@@ -152,6 +161,10 @@ def run_md(
     friction: float = 0.01,
     tdamp: float | None = None,
     chain: int = 3,
+    pressure: float | None = None,
+    barostat: str = "mtk",
+    pdamp: float | None = None,
+    pchain: int = 3,
     seed: int = 0,
     initial_temperature: float | None = None,
     skin: float = 1.0,
@@ -187,7 +200,13 @@ def run_md(
             ``temperature`` K with ``friction`` 1/fs and noise ``seed``),
             ``"nose-hoover"`` (a Nose-Hoover chain of ``chain`` thermostats at ``temperature``
             K with time scale ``tdamp`` fs, default 100 ``dt``), or an integrator object
-            (``VelocityVerlet(dt)``, ``Langevin(...)``, ``NoseHooverChain(...)``).
+            (``VelocityVerlet(dt)``, ``Langevin(...)``, ``NoseHooverChain(...)``,
+            ``IsotropicMTK(...)``).
+        pressure: NPT at this pressure (bar): ``barostat="mtk"`` (isotropic Martyna-Tobias-Klein,
+            :class:`~twinshard.atoms.dynamics.integrators.IsotropicMTK`, with ``thermostat=
+            "nose-hoover"``), time scale ``pdamp`` fs (default 1000 ``dt``), a barostat chain of
+            ``pchain``; the thermo rows get ``volume`` and ``pressure``, ``info`` gets
+            ``final_volume`` and ``mean_pressure``.
         dt: time step in fs.
         initial_temperature: if given, velocities are drawn from Maxwell-Boltzmann
             at this temperature (keyed by atom id and ``seed``); otherwise the
@@ -228,7 +247,11 @@ def run_md(
         system = system.to(dtype=dtype)
     if system is not None and hasattr(potential, "check_species"):  # every rank has the system here
         potential.check_species(system.numbers.unique().tolist())
-    integ = _integrator(thermostat, dt, temperature, friction, seed, tdamp, chain)
+    integ = _integrator(
+        thermostat, dt, temperature, friction, seed, tdamp, chain, pressure, barostat, pdamp, pchain
+    )
+    if pressure is not None and storage == "graph":
+        raise ValueError("pressure= runs with storage='halo' (graph storage keeps its cell fixed)")
     opts = {
         "steps": int(steps),
         "initial_temperature": initial_temperature,
@@ -279,7 +302,7 @@ def _md_rank(
     ``twinshard.atoms.dynamics.driver``), one final ``DistributedPotential.compute`` with
     stress, two all_gathers (ids, forces) and the final gather.
     """
-    from twinshard.atoms.dynamics.driver import DistributedEngine
+    from twinshard.atoms.dynamics.driver import DistributedEngine, npt_figures
     from twinshard.atoms.parallel.distributed import DistributedPotential
     from twinshard.atoms.parallel.sharded import ShardedSystem
     from twinshard.comm import primitives as prim
@@ -387,6 +410,7 @@ def _md_rank(
         info={
             "file_repairs": notes,
             "potential_notice": changed,
+            **npt_figures(out["thermo"]),
             **{k: opts[k] if opts[k] < float("inf") else None for k in ("max_temperature", "max_force")},
         },
     )

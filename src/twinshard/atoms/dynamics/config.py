@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from twinshard.atoms.data.system import System
+from twinshard.atoms.dynamics.integrators import npt_integrator
 from twinshard.atoms.dynamics.md import Langevin, NoseHooverChain, VelocityVerlet, maxwell_boltzmann
 from twinshard.atoms.dynamics.sanity import MAX_FORCE, MAX_TEMPERATURE
 from twinshard.atoms.potentials import make_potential
@@ -63,6 +64,10 @@ class MDConfig:
     friction: float = 0.01
     tdamp: float | None = None
     chain: int = 3
+    pressure: float | None = None  # bar: NPT with --barostat
+    barostat: str = "mtk"
+    pdamp: float | None = None
+    pchain: int = 3
     seed: int = 0
     skin: float = 1.0
     partition: str = "spatial"
@@ -196,6 +201,20 @@ def potential_from_config(cfg: MDConfig, species: list[int]) -> Any:
 
 
 def make_integrator(cfg: MDConfig) -> VelocityVerlet:
+    if cfg.pressure is not None:
+        if cfg.storage == "graph":
+            raise ValueError("--pressure runs with --storage halo (graph storage keeps its cell fixed)")
+        return npt_integrator(
+            cfg.thermostat,
+            cfg.barostat,
+            cfg.dt,
+            cfg.temperature,
+            cfg.pressure,
+            cfg.tdamp,
+            cfg.pdamp,
+            cfg.chain,
+            cfg.pchain,
+        )
     if cfg.thermostat == "langevin":
         return Langevin(cfg.dt, cfg.temperature, cfg.friction, seed=cfg.seed)
     if cfg.thermostat == "nose-hoover":

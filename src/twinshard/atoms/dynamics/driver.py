@@ -165,6 +165,18 @@ class DistributedEngine:
     velocities = property(lambda self: self.sharded.velocities)
     masses = property(lambda self: self.sharded.masses)
     ids = property(lambda self: self.sharded.ids)
+    cell = property(lambda self: self.sharded.cell)
+    pbc = property(lambda self: self.sharded.pbc)
+    need_virial = False  # set by a barostat's bind: compute() then also returns the virial
+    virial: torch.Tensor | None = None  # of the last compute(), all-reduced by the potential
+    cell_can_change = property(lambda self: hasattr(self.sharded, "set_cell"))
+
+    def set_cell(self, cell: torch.Tensor) -> None:
+        """A barostat's new cell, the same on every rank (no communication); the next
+        ``set_state(moved=True)`` rebuilds partition cell, halo plan and neighbour lists."""
+        if not hasattr(self.sharded, "set_cell"):
+            raise ValueError("a barostat runs with --storage halo (graph storage keeps its cell fixed)")
+        self.sharded.set_cell(cell)
 
     def set_state(self, positions: torch.Tensor, velocities: torch.Tensor, moved: bool) -> None:
         self.sharded.positions = positions.contiguous()
@@ -173,7 +185,8 @@ class DistributedEngine:
             self.sharded.update()
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        res = self.potential.compute(self.sharded, compute_stress=False)
+        res = self.potential.compute(self.sharded, compute_stress=self.need_virial)
+        self.virial = res.virial if self.need_virial else None  # replicated (all-reduced)
         return res.energy, res.forces
 
     def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,6 +200,19 @@ class DistributedEngine:
 
 
 # ------------------------------------------------------------------------ one rank
+
+
+def npt_figures(thermo: Any) -> dict[str, float | None]:
+    """``final_volume`` (A^3) and ``mean_pressure`` (bar, over the logged rows after the start; a
+    restarted run: its own rows) of a barostat's run; ``None`` without one."""
+    rows = thermo.rows
+    if not rows or "volume" not in rows[-1]:
+        return {"final_volume": None, "mean_pressure": None}
+    later = rows[1:] or rows
+    return {
+        "final_volume": rows[-1]["volume"],
+        "mean_pressure": sum(r["pressure"] for r in later) / len(later),
+    }
 
 
 def _by_id(ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -400,6 +426,9 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         "final_stress": mat(fin.stress),
         "final_virial": mat(fin.virial),
         "conserved_drift": thermo.rows[-1]["conserved"] - thermo.rows[0]["conserved"],
+        "pressure": cfg.pressure,
+        "barostat": cfg.barostat if cfg.pressure is not None else None,
+        **npt_figures(thermo),
         "atoms_conserved": bool(torch.equal(final.ids, all_ids)),
         # the sanity bounds the run was checked against (null: no bound)
         **{k: v if v < float("inf") else None for k, v in bounds.items()},

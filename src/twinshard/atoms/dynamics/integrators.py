@@ -1,5 +1,5 @@
-"""Integrators: velocity Verlet (NVE), Langevin BAOAB and Nose-Hoover chains (NVT),
-Maxwell-Boltzmann velocities.
+"""Integrators: velocity Verlet (NVE), Langevin BAOAB and Nose-Hoover chains (NVT), the isotropic
+MTK barostat with Nose-Hoover chains (NPT), Maxwell-Boltzmann velocities.
 
 They act on plain per-atom tensors of *a set of atoms given by their global ids* (positions,
 velocities, forces, masses, ids): the serial run passes all atoms, a distributed run passes each
@@ -27,9 +27,12 @@ from twinshard import rng
 __all__ = [
     "LANGEVIN_STREAM",
     "VELOCITY_STREAM",
+    "IsotropicMTK",
     "Langevin",
     "NoseHooverChain",
     "VelocityVerlet",
+    "BAROSTATS",
+    "npt_integrator",
     "kinetic_energy",
     "maxwell_boltzmann",
 ]
@@ -270,12 +273,16 @@ class NoseHooverChain(VelocityVerlet):
         # the GLOBAL sum of m v^2: every rank drives the chain with the same number
         return float(self._reduce_sum(2.0 * kinetic_energy(velocities, masses)))
 
-    def _half_step(self, velocities: torch.Tensor, masses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """exp(iL_NHC dt/2) on the velocities; returns them and minus the chain's energy change."""
+    def _half_step(
+        self, velocities: torch.Tensor, masses: torch.Tensor, mv2: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """exp(iL_NHC dt/2) on the velocities; returns them and minus the chain's energy change.
+        ``mv2``: the global sum of m v^2 when the caller has it (else one ``reduce_sum``); that of
+        the result is left in ``_mv2``."""
         if self.n_dof == 0:
             self.n_dof = 3 * velocities.shape[0]  # unbound: a serial caller's atoms are all atoms
-        before = self.energy()
-        mv2 = self._twice_kinetic(velocities, masses)
+        before = NoseHooverChain.energy(self)
+        mv2 = self._twice_kinetic(velocities, masses) if mv2 is None else mv2
         q, m, eta, p = self._masses(), self.chain, self.eta, self.p_eta
         g0 = self.n_dof * self.kT
 
@@ -295,7 +302,8 @@ class NoseHooverChain(VelocityVerlet):
                 scale, mv2 = scale * a, mv2 * a * a  # the kinetic energy scales with v
                 for j in range(m):
                     kick(j, d)
-        heat = before - self.energy() if self._rank == 0 else 0.0
+        self._mv2 = mv2
+        heat = before - NoseHooverChain.energy(self) if self._rank == 0 else 0.0
         return velocities * scale, torch.tensor(heat, dtype=velocities.dtype, device=velocities.device)
 
     def first(
@@ -344,3 +352,283 @@ class NoseHooverChain(VelocityVerlet):
                     f"{len(values)} values): it was not written by this thermostat"
                 )
             setattr(self, name, values)
+
+
+def exprel(x: float) -> float:
+    """``(exp(x) - 1) / x``, 1 at 0 (without the cancellation of the naive formula)."""
+    return math.expm1(x) / x if x != 0.0 else 1.0
+
+
+class IsotropicMTK(NoseHooverChain):
+    """NPT: the isotropic Martyna-Tobias-Klein barostat with Nose-Hoover chains on the particles
+    and on the barostat (Martyna, Tobias and Klein, J. Chem. Phys. 101, 4177 (1994); the
+    factorisation of Tuckerman, Alejandre, Lopez-Rendon, Jochim and Martyna, J. Phys. A 39, 5629
+    (2006)), as in ASE's ``IsotropicMTKNPT`` (the same operator order, masses and variables, so the
+    two trajectories agree to round-off: an outside oracle step by step, not only in the mean).
+
+    Why MTK and not stochastic cell rescaling (Bernetti and Bussi, 2020): MTK is deterministic,
+    time-reversible and has a conserved extended energy, so a distributed run can be checked
+    against the serial run *and* against an outside implementation (ASE's) at round-off every step;
+    a stochastic barostat could only be checked against an outside code statistically. It samples
+    the isothermal-isobaric ensemble exactly (the ``1 + 1/N`` terms of MTK, which plain
+    Hoover/Melchionna barostats lack).
+
+    Variables: ``eps = ln(V / V0) / 3`` and its momentum ``p_eps`` (barostat mass
+    ``W = (3N + 3) kT pdamp^2``), the barostat's chain ``xi``, ``p_xi`` (masses ``9 kT pdamp^2``,
+    then ``kT pdamp^2``), the particles' chain ``eta``, ``p_eta`` (as :class:`NoseHooverChain`),
+    and the reference cell ``cell0`` (the cell at the start of the first run): the cell is
+    ``cell0 exp(eps)``, so a restart recomputes it bit for bit. One step is
+    ``NHC_baro(dt/2) NHC(dt/2) P_eps(dt/2) P(dt/2) Q(dt) Q_eps(dt) | forces |
+    P(dt/2) P_eps(dt/2) NHC(dt/2) NHC_baro(dt/2)`` with
+    ``Q: x <- x e^a + v dt exprel(a)``, ``a = dt p_eps / W``,
+    ``P: v <- v e^-b + (dt/2) F/m exprel(-b)``, ``b = (1 + 1/N) (dt/2) p_eps / W``,
+    ``P_eps: p_eps += (dt/2) [tr(virial) + (1 + 1/N) sum m v^2 - 3 V P_ext]``.
+
+    Under decomposition: every rank holds the same scalars (``eps``, ``p_eps``, the two chains,
+    ``cell0``) and updates them from the same agreed values: the virial, all-reduced by the
+    distributed potential with the energy (no extra collective), and the global ``sum m v^2``: one
+    ``reduce_sum`` of a scalar per half-step (the first half-step's chain tracks it under its
+    scaling, the second half-step's chain reuses the one ``P_eps`` needed), so the same two
+    all-reduces per step as the NVT chain. The cell goes to the engine with ``set_cell`` on every
+    rank (replicated arithmetic, no communication); the positions and velocities of each rank's
+    owned atoms are scaled by the same factors. The engine rebuilds its partition, halo plan and
+    neighbour lists after every cell change (the rule: a changed cell forces a rebuild, as the
+    serial Verlet list), and atoms migrate there as the box breathes.
+
+    Conserved: ``E_pot + E_kin + E_chain + E_baro_chain + p_eps^2 / (2W) + P_ext V``; each
+    half-step returns minus the change of the non-particle terms as heat (rank 0 only).
+    The thermo log gets ``volume`` (A^3) and ``pressure`` (bar, the instantaneous
+    ``(tr(virial) + 2 E_kin) / (3V)``).
+
+    Needs a cell periodic along all three axes (raised by :meth:`bind` on every rank).
+
+    Args:
+        dt: time step in fs.
+        temperature: bath temperature in K.
+        pressure: external pressure in bar.
+        tdamp: thermostat time scale in fs (default ``100 dt``).
+        pdamp: barostat time scale in fs (default ``1000 dt``).
+        chain, pchain: thermostat and barostat chain lengths (default 3).
+        tloop, ploop: their sub-steps per half-step (default 1).
+    """
+
+    barostat = True
+    dynamic = ("eta", "p_eta", "xi", "p_xi", "eps", "p_eps", "cell0")
+
+    def __init__(
+        self,
+        dt: float = 2.0,
+        temperature: float = 300.0,
+        pressure: float = 1.01325,
+        tdamp: float | None = None,
+        pdamp: float | None = None,
+        chain: int = 3,
+        pchain: int = 3,
+        tloop: int = 1,
+        ploop: int = 1,
+    ) -> None:
+        super().__init__(dt, temperature, tdamp, chain, tloop, sy=3)
+        pdamp = 1000.0 * self.dt_fs if pdamp is None else float(pdamp)
+        if not (pdamp > 0 and math.isfinite(pdamp)):
+            raise ValueError(f"the pressure coupling time pdamp must be > 0 fs, got {pdamp}")
+        if not math.isfinite(float(pressure)):
+            raise ValueError(f"pressure must be a finite number of bar, got {pressure}")
+        if not self.temperature > 0:
+            raise ValueError(f"an MTK barostat needs a temperature > 0 K, got {temperature}")
+        if int(pchain) < 1 or int(ploop) < 1:
+            raise ValueError(f"pchain and ploop must be >= 1, got {pchain}, {ploop}")
+        self.pressure_bar, self.pdamp_fs = float(pressure), pdamp
+        self.pchain, self.ploop = int(pchain), int(ploop)
+        self.p_ext = self.pressure_bar * units.bar  # eV / A^3
+        self.xi = [0.0] * self.pchain
+        self.p_xi = [0.0] * self.pchain
+        self.eps = [0.0]
+        self.p_eps = [0.0]
+        self.cell0 = [0.0] * 9  # zeros: not set yet (bind takes the engine's cell)
+        self._engine: Any = None
+        self._mv2 = 0.0  # the global sum m v^2 after the last thermostat half-step
+
+    # ---------------------------------------------------------------- setup
+    def bind(self, engine: Any) -> None:
+        super().bind(engine)
+        pbc = [bool(p) for p in torch.as_tensor(engine.pbc).tolist()]
+        if not all(pbc):
+            raise ValueError(
+                f"a barostat needs a cell periodic along all three axes, got pbc={pbc}: run NVT/NVE "
+                "(no --pressure) for a slab, wire or molecule"
+            )
+        if not getattr(engine, "cell_can_change", True):
+            raise ValueError("a barostat runs with --storage halo (graph storage keeps its cell fixed)")
+        if not any(self.cell0):  # a fresh run: the reference cell is the start cell
+            self.cell0 = [float(c) for c in engine.cell.detach().double().cpu().reshape(9).tolist()]
+        if abs(float(torch.linalg.det(self._cell0()))) == 0.0:
+            raise ValueError("a barostat needs a cell with a volume (its lattice vectors are coplanar)")
+        self._engine = engine
+        engine.need_virial = True
+
+    def _cell0(self) -> torch.Tensor:
+        return torch.tensor(self.cell0, dtype=torch.float64).reshape(3, 3)
+
+    def cell(self) -> torch.Tensor:
+        """``cell0 exp(eps)`` (fp64, CPU): the same bits on every rank and after a restart."""
+        return self._cell0() * math.exp(self.eps[0])
+
+    def volume(self) -> float:
+        return abs(float(torch.linalg.det(self._cell0()))) * math.exp(3.0 * self.eps[0])
+
+    @property
+    def W(self) -> float:  # noqa: N802 (the paper's name)
+        return (self.n_dof + 3) * self.kT * (self.pdamp_fs * units.fs) ** 2
+
+    def _baro_masses(self) -> list[float]:
+        r = self.kT * (self.pdamp_fs * units.fs) ** 2
+        return [9.0 * r] + [r] * (self.pchain - 1)
+
+    def energy(self) -> float:
+        """Everything of the extended energy but the particles' (eV): both chains, the barostat's
+        kinetic energy and ``P_ext V``."""
+        r = self._baro_masses()
+        baro = sum(p * p / (2.0 * rk) for p, rk in zip(self.p_xi, r)) + self.kT * sum(self.xi)
+        pe = self.p_eps[0]
+        return super().energy() + baro + pe * pe / (2.0 * self.W) + self.p_ext * self.volume()
+
+    # ---------------------------------------------------------------- operators
+    def _baro_chain(self) -> None:
+        """exp(iL_NHC-baro dt/2) on p_eps (replicated scalars only)."""
+        r, m, xi, p = self._baro_masses(), self.pchain, self.xi, self.p_xi
+        w = self.W
+
+        def kick(j: int, d: float) -> None:
+            g = self.p_eps[0] ** 2 / w - self.kT if j == 0 else p[j - 1] * p[j - 1] / r[j - 1] - self.kT
+            if j < m - 1:
+                p[j] *= math.exp(-0.25 * d * p[j + 1] / r[j + 1])
+            p[j] += 0.5 * d * g
+            if j < m - 1:
+                p[j] *= math.exp(-0.25 * d * p[j + 1] / r[j + 1])
+
+        for _ in range(self.ploop):
+            for wt in SUZUKI_YOSHIDA[3]:
+                d = wt * 0.5 * self.dt / self.ploop
+                for j in range(m - 1, -1, -1):
+                    kick(j, d)
+                xi[:] = [x + d * pk / rk for x, pk, rk in zip(xi, p, r)]
+                self.p_eps[0] *= math.exp(-d * p[0] / r[0])
+                for j in range(m):
+                    kick(j, d)
+
+    def _thermostat(
+        self, velocities: torch.Tensor, masses: torch.Tensor, mv2: float | None = None
+    ) -> torch.Tensor:
+        """The particles' chain (``mv2``: the global sum m v^2 of ``velocities`` if known); leaves
+        that of the result (tracked under the chain's scaling) in ``_mv2``."""
+        v, _ = self._half_step(velocities, masses, mv2)
+        return v
+
+    def _virial_trace(self) -> float:
+        vir = self._engine.virial
+        if vir is None:
+            raise RuntimeError("the engine returned no virial: a barostat needs compute_stress")
+        return float(torch.diagonal(vir.detach()).sum())
+
+    def _p_cell(self) -> None:
+        g = self._virial_trace() + (1.0 + 3.0 / self.n_dof) * self._mv2 - 3.0 * self.volume() * self.p_ext
+        self.p_eps[0] += 0.5 * self.dt * g
+
+    def _velocity_kick(self, v: torch.Tensor, forces: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
+        b = (1.0 + 3.0 / self.n_dof) * 0.5 * self.dt * self.p_eps[0] / self.W
+        return v * math.exp(-b) + (0.5 * self.dt * exprel(-b)) * forces / masses[:, None]
+
+    def first(
+        self,
+        positions: torch.Tensor,
+        velocities: torch.Tensor,
+        forces: torch.Tensor,
+        masses: torch.Tensor,
+        ids: torch.Tensor,
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        before = self.energy()
+        self._baro_chain()
+        v = self._thermostat(velocities, masses)
+        self._p_cell()
+        v = self._velocity_kick(v, forces, masses)
+        a = self.dt * self.p_eps[0] / self.W
+        x = positions * math.exp(a) + (self.dt * exprel(a)) * v
+        self.eps[0] += a
+        self._engine.set_cell(self.cell().to(positions.dtype))  # every rank, the same cell
+        heat = before - self.energy() if self._rank == 0 else 0.0
+        return x, v, torch.tensor(heat, dtype=v.dtype, device=v.device)
+
+    def second(
+        self,
+        velocities: torch.Tensor,
+        forces: torch.Tensor,
+        masses: torch.Tensor,
+        ids: torch.Tensor,
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        before = self.energy()
+        v = self._velocity_kick(velocities, forces, masses)
+        self._mv2 = self._twice_kinetic(v, masses)  # the one collective of this half-step
+        self._p_cell()
+        v = self._thermostat(v, masses, self._mv2)  # the chain reuses that global sum
+        self._baro_chain()
+        heat = before - self.energy() if self._rank == 0 else 0.0
+        return v, torch.tensor(heat, dtype=v.dtype, device=v.device)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            **super().state(),
+            "kind": "npt-mtk",
+            "pressure_bar": self.pressure_bar,
+            "pdamp_fs": self.pdamp_fs,
+            "pchain": self.pchain,
+            "ploop": self.ploop,
+            "xi": list(self.xi),
+            "p_xi": list(self.p_xi),
+            "eps": list(self.eps),
+            "p_eps": list(self.p_eps),
+            "cell0": list(self.cell0),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        want = {"eta": self.chain, "p_eta": self.chain, "xi": self.pchain, "p_xi": self.pchain}
+        want.update(eps=1, p_eps=1, cell0=9)
+        for name in self.dynamic:
+            values = [float(v) for v in state.get(name, ())]
+            if len(values) != want[name]:
+                raise ValueError(
+                    f"the checkpoint holds no MTK barostat state ({name}: {len(values)} values, "
+                    f"expected {want[name]}): it was not written by this integrator"
+                )
+            setattr(self, name, values)
+
+
+BAROSTATS = ("mtk",)  # isotropic MTK; anisotropic / triclinic and stochastic cell rescaling: not yet
+
+
+def npt_integrator(
+    thermostat: str,
+    barostat: str,
+    dt: float,
+    temperature: float,
+    pressure: float,
+    tdamp: float | None = None,
+    pdamp: float | None = None,
+    chain: int = 3,
+    pchain: int = 3,
+) -> IsotropicMTK:
+    """The integrator of ``--pressure P --barostat B`` (the CLI's and ``run_md``'s). MTK couples the
+    cell to Nose-Hoover chains, so it needs ``thermostat="nose-hoover"`` (the chain is part of it)."""
+    if barostat not in BAROSTATS:
+        raise ValueError(
+            f"barostat must be one of {BAROSTATS} (isotropic Martyna-Tobias-Klein), got {barostat!r}; "
+            "anisotropic/triclinic coupling is not implemented yet"
+        )
+    if thermostat != "nose-hoover":
+        raise ValueError(
+            f"--barostat mtk thermostats the particles with its own Nose-Hoover chain: give "
+            f"--thermostat nose-hoover with --pressure (got {thermostat!r}; a barostat for Langevin "
+            "or NVE is not implemented yet)"
+        )
+    return IsotropicMTK(dt, temperature, pressure, tdamp, pdamp, chain, pchain)

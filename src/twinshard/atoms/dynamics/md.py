@@ -46,13 +46,14 @@ from twinshard.atoms.dynamics import sanity
 from twinshard.atoms.dynamics.integrators import (  # re-exported: md.py held them before
     LANGEVIN_STREAM,
     VELOCITY_STREAM,
+    IsotropicMTK,
     Langevin,
     NoseHooverChain,
     VelocityVerlet,
     kinetic_energy,
     maxwell_boltzmann,
 )
-from twinshard.atoms.dynamics.md_files import THERMO_COLUMNS, prepare_outputs
+from twinshard.atoms.dynamics.md_files import NPT_COLUMNS, THERMO_COLUMNS, prepare_outputs
 from twinshard.atoms.dynamics.provenance import check_payload, payload_checksum, structure_identity
 from twinshard.runtime.errors import short_reason
 from twinshard.runtime.files import atomic_write
@@ -63,6 +64,7 @@ __all__ = [
     "VelocityVerlet",
     "Langevin",
     "NoseHooverChain",
+    "IsotropicMTK",
     "maxwell_boltzmann",
     "kinetic_energy",
     "Engine",
@@ -137,6 +139,16 @@ class SerialEngine:
     def rebuilds(self) -> int:
         return self.verlet.n_builds
 
+    need_virial = False  # set by a barostat's bind: compute() then also returns the virial
+    virial: torch.Tensor | None = None  # of the last compute() (with need_virial)
+    cell = property(lambda self: self.system.cell)
+    pbc = property(lambda self: self.system.pbc)
+
+    def set_cell(self, cell: torch.Tensor) -> None:
+        """A barostat's new cell; the Verlet list rebuilds on the next compute (a changed cell
+        forces a rebuild)."""
+        self.system.cell = cell.to(dtype=self.system.cell.dtype, device=self.system.cell.device)
+
     def set_state(self, positions: torch.Tensor, velocities: torch.Tensor, moved: bool) -> None:
         if moved:  # the storages' check and reference: reset once an atom moved skin / 2
             limit = self.verlet.cutoff + self.verlet.skin
@@ -152,10 +164,12 @@ class SerialEngine:
             evaluate_serial,
         )
 
+        stress = self.need_virial
         if self.reference:
-            res = evaluate_reference(self.potential, self.system, compute_stress=False)
+            res = evaluate_reference(self.potential, self.system, compute_stress=stress)
         else:
-            res = evaluate_serial(self.potential, self.system, self.verlet, compute_stress=False)
+            res = evaluate_serial(self.potential, self.system, self.verlet, compute_stress=stress)
+        self.virial = res.virial if stress else None
         return res.energy, res.forces
 
     def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +181,8 @@ class SerialEngine:
 
 @dataclass
 class ThermoLog:
-    """Rows of (step, time_fs, potential, kinetic, temperature, conserved), eV and K.
+    """Rows of (step, time_fs, potential, kinetic, temperature, conserved), eV and K; with a
+    barostat (``columns=NPT_COLUMNS``) also volume (A^3) and pressure (bar).
 
     ``resumed``: the file belongs to a restarted run (prepared by
     :func:`~twinshard.atoms.dynamics.md_files.repair_thermo`): :meth:`add` appends to it."""
@@ -176,8 +191,10 @@ class ThermoLog:
     rows: list[dict[str, float]] = field(default_factory=list)
     path: str | os.PathLike | None = None
     resumed: bool = False
+    columns: tuple[str, ...] = THERMO_COLUMNS
 
     COLUMNS = THERMO_COLUMNS
+    NPT_COLUMNS = NPT_COLUMNS
 
     def add(
         self,
@@ -187,6 +204,7 @@ class ThermoLog:
         kinetic: float,
         conserved: float,
         write: bool = True,
+        extra: dict[str, float] | None = None,
     ) -> dict[str, float]:
         temp = 2.0 * kinetic / (3.0 * self.n_atoms * units.kB) if self.n_atoms else 0.0
         row = {
@@ -196,6 +214,7 @@ class ThermoLog:
             "kinetic": kinetic,
             "temperature": temp,
             "conserved": conserved,
+            **(extra or {}),
         }
         self.rows.append(row)
         if self.path is not None and write:
@@ -203,8 +222,8 @@ class ThermoLog:
             new = new or not os.path.exists(self.path)
             with open(self.path, "w" if new else "a") as f:
                 if new:
-                    f.write("# " + " ".join(self.COLUMNS) + "\n")
-                f.write(" ".join(f"{row[c]:.12g}" for c in self.COLUMNS) + "\n")
+                    f.write("# " + " ".join(self.columns) + "\n")
+                f.write(" ".join(f"{row[c]:.12g}" for c in self.columns) + "\n")
         return row
 
     def column(self, name: str) -> list[float]:
@@ -278,7 +297,13 @@ def simulate(
     if check_files and engine.rank == 0:
         names = ("checkpoint=", "trajectory=", "thermo_path=")
         prepare_outputs(start_step, checkpoint, trajectory, thermo_path, names=names)
-    log = ThermoLog(engine.n_atoms, path=thermo_path if engine.rank == 0 else None, resumed=start_step > 0)
+    npt = bool(getattr(integrator, "barostat", False))
+    log = ThermoLog(
+        engine.n_atoms,
+        path=thermo_path if engine.rank == 0 else None,
+        resumed=start_step > 0,
+        columns=NPT_COLUMNS if npt else THERMO_COLUMNS,
+    )
     # Heat this rank's atoms exchanged with the bath so far; summed over ranks only when logged
     # (a sum of local sums), so a thermostat adds no collective to unlogged steps. A restart
     # carries the global sum so far on rank 0.
@@ -299,13 +324,23 @@ def simulate(
         k, h = out[:2].tolist()
         return k, h, out[2:].view(-1, 2)
 
+    if npt and start_step == 0 and engine.rank == 0:
+        # the extended energy's own start value (P_ext V0) counts as heat already drawn, so the
+        # conserved column is the extended energy itself (ASE's get_conserved_energy)
+        heat_local = heat_local - float(integrator.energy())
+        heat = float(heat) - float(integrator.energy())
     last_heat = [float(heat)]
 
     def record(step: int, energy: torch.Tensor, forces: torch.Tensor, write: bool = True) -> None:
         k, h, fmax = global_sums(forces)
         last_heat[0] = h
         e = float(energy)
-        row = log.add(step, step * integrator.dt_fs, e, k, e + k - h, write=write)
+        extra = None
+        if npt:  # the barostat's volume and the instantaneous pressure (agreed virial and K)
+            vol = float(integrator.volume())
+            vir = float(torch.diagonal(engine.virial.detach()).sum())
+            extra = {"volume": vol, "pressure": (vir + 2.0 * k) / (3.0 * vol) / units.bar}
+        row = log.add(step, step * integrator.dt_fs, e, k, e + k - h, write=write, extra=extra)
         try:  # every rank holds the same values here: all raise together
             sanity.check_thermo(row, fmax, max_temperature, max_force)
         except sanity.Diverged as exc:

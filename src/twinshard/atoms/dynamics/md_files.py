@@ -29,6 +29,7 @@ from typing import IO
 from twinshard.runtime.files import atomic_write, temporary_pattern
 
 __all__ = [
+    "NPT_COLUMNS",
     "THERMO_COLUMNS",
     "check_writable",
     "prepare_outputs",
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 THERMO_COLUMNS = ("step", "time_fs", "potential", "kinetic", "temperature", "conserved")
+NPT_COLUMNS = THERMO_COLUMNS + ("volume", "pressure")  # a barostat's run: A^3, bar
 _STEP = re.compile(r"(?:^|\s)step=(-?\d+)(?=\s|$)")
 _PROPERTIES = re.compile(r"(?:^|\s)Properties=(\S+)")
 
@@ -209,7 +211,7 @@ def repair_trajectory(path: StrPath, step: int) -> str | None:
 
 def repair_thermo(path: StrPath, step: int) -> str | None:
     """Prepare the thermo log ``path`` for a restart at ``step``: keep its ``#`` lines and the
-    complete rows (``len(THERMO_COLUMNS)`` numbers) of steps <= ``step``, cut a torn last row and
+    complete rows (``len(THERMO_COLUMNS)`` numbers, ``len(NPT_COLUMNS)`` with a barostat) of steps <= ``step``, cut a torn last row and
     the rows of later steps, rewrite atomically. Returns what was cut (None: nothing). Raises
     ValueError naming the file and line if a damaged row is followed by more lines."""
     path = os.fspath(path)
@@ -223,7 +225,11 @@ def repair_thermo(path: StrPath, step: int) -> str | None:
         tokens = text.split()
         if raw.startswith(b"#") and raw.endswith(b"\n"):
             keep.append(raw)
-        elif raw.endswith(b"\n") and len(tokens) == len(THERMO_COLUMNS) and _is_numbers(tokens):
+        elif (
+            raw.endswith(b"\n")
+            and len(tokens) in (len(THERMO_COLUMNS), len(NPT_COLUMNS))
+            and _is_numbers(tokens)
+        ):
             if int(float(tokens[0])) <= step:
                 keep.append(raw)
             else:

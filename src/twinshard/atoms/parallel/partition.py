@@ -222,6 +222,20 @@ class SpatialPartition:
         best = min(fitting, key=lambda g: ghost_fraction(heights.tolist(), g, w, pbc_t))
         return SpatialPartition(cell, pbc_t, best, origin, w)
 
+    def with_cell(self, cell: torch.Tensor) -> SpatialPartition:
+        """The same rank grid on a new cell (a barostat's): the slabs keep their fractional
+        bounds. Raises :class:`PartitionError` if a cut axis became thinner than the ghost width
+        (every rank computes the same cell, so every rank raises it)."""
+        if not all(self.pbc):
+            raise PartitionError("a partition follows a changing cell only when periodic along all axes")
+        try:
+            return SpatialPartition.build(cell, self.pbc, self.nranks, self.ghost_width, grid=self.grid)
+        except PartitionError as exc:
+            raise PartitionError(
+                f"the cell shrank below what the rank grid needs: {exc}; use fewer ranks or a "
+                "larger system for this pressure"
+            ) from None
+
     # --- geometry -------------------------------------------------------
     def heights(self) -> torch.Tensor:
         """Face-to-face thickness of the (effective) cell per axis."""
@@ -357,6 +371,12 @@ class BlockPartition:
         return BlockPartition(
             cell, pbc_t, tuple(offsets), torch.zeros(3, dtype=torch.float64, device="cpu"), float(ghost_width)
         )
+
+    def with_cell(self, cell: torch.Tensor) -> BlockPartition:
+        """The same id blocks on a new cell (a barostat's)."""
+        if not all(self.pbc):
+            raise PartitionError("a partition follows a changing cell only when periodic along all axes")
+        return BlockPartition(_as_cell(cell).clone(), self.pbc, self.offsets, self.origin, self.ghost_width)
 
     def fractional(self, positions: torch.Tensor) -> torch.Tensor:
         if abs(float(torch.linalg.det(self.cell))) < 1e-12:

@@ -130,6 +130,7 @@ class ShardedSystem:
         self.radius_graph = RadiusGraph()  # a plain model's edges: r < cutoff (plain_inputs.block_inputs)
         self.halo_numbers = torch.zeros(0, dtype=torch.int64)
         self._ref: torch.Tensor | None = None
+        self._cell_changed = False  # set_cell: the next update rebuilds
         self._schema: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
 
     # ------------------------------------------------------------- scatter
@@ -366,11 +367,29 @@ class ShardedSystem:
         allstats = prim.all_gather(stats, 0, self.group, op="update").cpu()
         return sanity.check_positions(allstats[:, :-1], limit), bool((allstats[:, -1] > 0).any())
 
+    def set_cell(self, cell: torch.Tensor) -> None:
+        """Replicated, no communication: a barostat's new cell (every rank passes the same one).
+
+        The partition keeps its rank grid and fractional slabs on the new cell
+        (:meth:`~twinshard.atoms.parallel.partition.SpatialPartition.with_cell`, which raises on
+        every rank if the cell became too thin for the grid). The halo plan (images and ghost
+        margins), the neighbour lists (Cartesian lattice shifts) and the edge-shift cache belong
+        to the old cell: the next :meth:`update` rebuilds them (migration first: owners follow the
+        fractional coordinates). Rule: a changed cell forces a rebuild, as the serial Verlet list.
+        """
+        assert self.partition is not None
+        cell = torch.as_tensor(cell).detach().to(dtype=self.cell.dtype, device=self.cell.device)
+        if torch.equal(cell, self.cell):
+            return
+        self.partition = self.partition.with_cell(cell)
+        self.cell = cell.clone()
+        self._cell_changed = True
+
     def update(self, force: bool = False) -> bool:
         """Collective: after an integration step, migrate and rebuild if needed.
 
         Rebuilds (migration + halo plan + neighbour list) when ``force`` on any
-        rank or when any atom on any rank moved more than ``skin / 2`` since the
+        rank, after :meth:`set_cell` changed the cell, or when any atom on any rank moved more than ``skin / 2`` since the
         last build; every rank takes the same decision from one all_gather. Returns whether
         it rebuilt. Raises :class:`~twinshard.atoms.dynamics.sanity.Diverged` (a ValueError) on every rank,
         before migration and the neighbour list, if any position is NaN/inf or jumped farther
@@ -383,8 +402,9 @@ class ShardedSystem:
         all_to_all per field; then the halo plan (one all_gather of boxes, two
         neighbour exchanges) and one halo forward exchange of atomic numbers.
         """
-        disp, forced = self._agree_update(force)
+        disp, forced = self._agree_update(force or self._cell_changed)
         if disp > 0.5 * self.skin or forced:
+            self._cell_changed = False
             self._migrate()
             self._build()
             return True
