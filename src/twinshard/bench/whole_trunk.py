@@ -86,7 +86,7 @@ def add_trunk_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
 
 def options(a: argparse.Namespace, msa: int | None = None) -> dict[str, Any]:
     """The whole trunk's settings from parsed arguments, checked (ValueError: a one-line message)."""
-    o = {_dest(flag): getattr(a, _dest(flag)) for flag, _, _ in TRUNK_OPTIONS}
+    o = {_dest(flag): getattr(a, _dest(flag), None) for flag, _, _ in TRUNK_OPTIONS}
     if msa is not None:
         o["msa"] = msa
     o["batch"] = getattr(a, "batch", 1)
@@ -390,10 +390,10 @@ def whole_rank(
         got = {k: collect_tensor(v.detach(), layout, KIND[k], what=k) for k, v in out.items()}
         gpos = collect_grad(pos.grad, "atom", grid)
     del out, held[:]
+    cp_grads = {k: p.grad for k, p in cp.named_parameters()} if keep else {}  # before any timed run
     if repeats > 0:
-        _timed_runs(
-            mine, cp, fd, gl, pos, R, serial, feats, gfull, grid, device, repeats, warmup, threads, keep
-        )
+        runs = (repeats, warmup, threads)
+        _timed_runs(mine, cp, gl, tokens, o, dtype, seed, serial, feats, gfull, grid, device, runs, keep)
     if not keep:
         return mine
     serial = serial.to(device)
@@ -409,10 +409,9 @@ def whole_rank(
 
     ser = measure(ser_fwd, ser_bwd, device, list(serial.parameters()))
     ref = {k: v.detach() for k, v in held.pop().items()}
-    cp_params = dict(cp.named_parameters())
     err_par, scale_par = 0.0, 0.0
     for k, p in serial.named_parameters():
-        a, c = p.grad, cp_params[k].grad
+        a, c = p.grad, cp_grads[k]
         if a is None and c is None:
             continue
         a = torch.zeros_like(p) if a is None else a
@@ -436,50 +435,68 @@ def whole_rank(
     return mine
 
 
-def _timed_runs(mine, cp, fd, gl, pos, R, serial, feats, gfull, grid, device, repeats, warmup, threads, keep):
-    """Wall time of forward + backward without the profiler: CP on every rank (barrier before
-    each run), then the serial trunk on rank 0 with ``threads`` threads while the others wait."""
+def _timed_runs(
+    mine: dict[str, Any],
+    cp: Any,
+    gl: dict[str, torch.Tensor],
+    tokens: int,
+    o: dict[str, Any],
+    dtype: torch.dtype,
+    seed: int,
+    serial: Any,
+    feats: dict[str, torch.Tensor],
+    gfull: dict[str, torch.Tensor],
+    grid: Any,
+    device: torch.device,
+    runs: tuple[int, int, int],
+    keep: bool,
+) -> None:
+    """Wall time of forward + backward without the profiler: CP on every rank (features
+    distributed afresh before each run, a barrier, then the clock), then the serial trunk on rank
+    0 with ``threads`` threads while the others wait. ``runs``: (repeats, warmup, threads)."""
     import torch.distributed as dist
 
-    sync = dist.barrier if dist.is_initialized() else (lambda: None)
+    from twinshard.pair.features import distribute
 
-    def cp_step() -> None:
+    repeats, warmup, threads = runs
+    sync = dist.barrier if dist.is_initialized() else (lambda: None)
+    R = o["recycling"]
+
+    def cp_step() -> float:
+        f = {k: v.to(device) for k, v in features(tokens, o, dtype, seed).items()}
+        f["ref_pos"].requires_grad_(True)
+        fd = distribute(f, grid)
+        del f
+        sync()
+        t0 = time.perf_counter()
         out = cp(fd, recycling_steps=R)
         torch.autograd.backward([out[k].to_local() for k in OUTS], [gl[k] for k in OUTS])
-        pos.grad = None
+        dt = time.perf_counter() - t0
         cp.zero_grad(set_to_none=True)
+        return dt
 
-    mine["seconds_runs"] = _timed(cp_step, warmup, repeats, sync)
+    mine["seconds_runs"] = [cp_step() for _ in range(warmup + repeats)][warmup:]
     sync()
     mine["serial_seconds_runs"] = []
     if keep:
         ser = serial.to(device)
-        sfeats = dict(feats)
 
-        def ser_step() -> None:
-            res = ser(sfeats, recycling_steps=R)
+        def ser_step() -> float:
+            sf = feats | {"ref_pos": feats["ref_pos"].clone().requires_grad_(True)}
+            t0 = time.perf_counter()
+            res = ser(sf, recycling_steps=R)
             torch.autograd.backward([res[k] for k in OUTS], [gfull[k] for k in OUTS])
+            dt = time.perf_counter() - t0
             ser.zero_grad(set_to_none=True)
+            return dt
 
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            mine["serial_seconds_runs"] = _timed(ser_step, warmup, repeats, lambda: None)
+            mine["serial_seconds_runs"] = [ser_step() for _ in range(warmup + repeats)][warmup:]
         finally:
             torch.set_num_threads(before)
     sync()
-
-
-def _timed(step, warmup: int, repeats: int, sync) -> list[float]:
-    for _ in range(warmup):
-        step()
-    ts = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        ts.append(time.perf_counter() - t0)
-    return ts
 
 
 # -- the JSON object -----------------------------------------------------------------------------
