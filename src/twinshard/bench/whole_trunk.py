@@ -459,6 +459,7 @@ def _timed_runs(
     from twinshard.pair.features import distribute
 
     repeats, warmup, threads = runs
+    cp.zero_grad(set_to_none=True)  # the measured run's gradients stay with the caller's snapshot
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
     R = o["recycling"]
 
