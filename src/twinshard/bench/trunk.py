@@ -1,6 +1,12 @@
-"""``twinshard trunk``: a random-weight Pairformer stack on a rows x cols grid, measured.
+"""``twinshard trunk``: the random-weight Boltz-2 trunk on a rows x cols grid, measured.
 
-Runs the CP Pairformer stack (``twinshard.pair.layers.pairformer.CPPairformerStack``, random
+By default the WHOLE trunk (``CPBoltz2Trunk`` against ``Boltz2Trunk``) on the synthetic complex:
+``twinshard.bench.whole_trunk`` (``--tokens``, ``--atoms-per-token``, ``--msa``, ``--templates``,
+``--recycling``, widths, blocks and heads; the JSON keys below plus the whole trunk's: errors per
+output, the ``ref_pos`` gradient's error, per-op ledger bytes and the byte models).
+
+``--pairformer-only`` (and ``--train-step``) run the Pairformer stack alone, as the command did
+before the whole trunk existed: it runs the CP Pairformer stack (``twinshard.pair.layers.pairformer.CPPairformerStack``, random
 weights from ``--seed``, Boltz-2's layer structure at the widths given) forward and backward on
 synthetic features (random single and pair representations, a random token mask and the pair
 mask it implies, padding when N does not divide the grid) with one random grad_output for ``s``
@@ -68,8 +74,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="one training step (Pairformer stack + distogram loss + AdamW) instead of forward + backward",
     )
-    p.add_argument("--check-serial", action="store_true", help="run the serial stack on rank 0 and compare")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
+    p.add_argument(
+        "--check-serial", action="store_true", help="run the serial trunk (or stack) on rank 0 and compare"
+    )
+    p.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="activation checkpointing per layer (Pairformer, MSA and template blocks)",
+    )
     p.add_argument("--dtype", choices=("float64", "float32"), default="float32")
     p.add_argument("--single-channels", type=int, default=64, help="c_s (token_s)")
     p.add_argument("--pair-channels", type=int, default=32, help="c_z (token_z)")
