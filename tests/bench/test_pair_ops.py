@@ -7,6 +7,10 @@ memory/bytes plot (tiny sizes; the figures are measured by the CLI, not here).
   bytes (forward and backward) positive.
 - ``test_ops_registered``: ``bench pair`` accepts the new ops.
 - ``test_plot_memory_and_bytes``: the plot is written for results on 1x1 and 2x2.
+- ``test_bench_pair_trunk_op``: ``--op trunk --tokens 8,10 --grid 2x2`` (the whole Boltz-2 trunk,
+  fp64, small widths) prints one JSON object with a run and a ratio row per N (peak and saved per
+  rank / (serial / P)), errors at round-off, per-op ledger bytes beside the byte models, and the
+  memory-against-N plot; several ``--tokens`` values with another op are a clear error.
 """
 
 from __future__ import annotations
@@ -67,3 +71,46 @@ def test_plot_memory_and_bytes(tmp_path):
     path = tmp_path / "mem.png"
     plot_memory_and_bytes([_fake("2x2", 4), _fake("1x1", 1)], str(path))
     assert path.stat().st_size > 1000
+
+
+TRUNK_SMALL = (
+    "--single-channels 8 --pair-channels 4 --heads 2 --pair-head-width 2 --pair-heads 2 --atom-channels 4 "
+    "--atom-pair-channels 2 --msa-channels 4 --template-channels 4 --bins 8 --msa-heads 2 --msa-head-width 2 "
+    "--opm-hidden 2 --atoms-per-token 4 --sequences 3 --layers 1"
+).split()
+
+
+def test_bench_pair_trunk_op(tmp_path, capsys):
+    import json
+
+    from twinshard.cli import main
+
+    plot = tmp_path / "trunk.png"
+    argv = ["bench", "pair", "--op", "trunk", "--tokens", "8,10", "--grid", "2x2", "--json"]
+    assert main(argv + TRUNK_SMALL + ["--plot", str(plot)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["op"] == "trunk" and [r["tokens"] for r in out["runs"]] == [8, 10]
+    assert [(r["tokens"], r["grid"]) for r in out["ratios"]] == [(8, "2x2"), (10, "2x2")]
+    for run, row in zip(out["runs"], out["ratios"]):
+        assert run["dtype"] == "float64" and run["sequences"] == 3
+        assert run["max_abs_error_out"] < 1e-12 * run["reference_max_abs_out"]
+        assert run["max_abs_error_grad_params"] < 1e-12 * run["reference_max_abs_grad_params"]
+        assert row["peak_ratio_vs_serial_over_p"] > 0 and row["saved_ratio_vs_serial_over_p"] > 0
+        assert (
+            run["model_bytes"]["msa:s_proj"]["model_bytes"]
+            == run["model_bytes"]["msa:s_proj"]["ledger_recv_bytes"]
+        )
+        assert "tri_attn:ring" in run["ledger_forward_by_op"]
+    if out["plot"]:
+        assert plot.stat().st_size > 1000
+
+
+def test_several_tokens_only_with_trunk():
+    import argparse
+
+    from twinshard.bench import pair as bench_pair
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    with pytest.raises(ValueError, match="only with --op trunk"):
+        bench_pair.run(parser.parse_args(["pair", "--op", "opm", "--tokens", "6,8"]))

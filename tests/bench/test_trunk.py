@@ -1,6 +1,13 @@
-"""``twinshard trunk``: a random-weight CP Pairformer stack against serial, measured (small N).
+"""``twinshard trunk``: the random-weight CP Boltz-2 trunk (default) or Pairformer stack
+(``--pairformer-only``, ``--train-step``) against serial, measured (small N).
 
-- ``test_trunk_json_matches_serial``: on a 2x2 grid with uneven N (padding) the CP stack's output,
+- ``test_whole_trunk_json_matches_serial``: the whole trunk (input embedder with atoms, pair init,
+  templates, MSA module, Pairformer, distogram) on the synthetic complex, 2x2 grid, N = 10, fp64,
+  with and without a recycling step: ``s_inputs``, ``s``, ``z``, ``pdistogram``, the gradient of
+  ``ref_pos`` and every parameter gradient equal the serial ``Boltz2Trunk``'s at fp64 round-off;
+  the JSON carries ``twinshard bench pair``'s keys, per-rank memory and ledger bytes (per op too),
+  and each new collective's ledger bytes equal its stated model (the contraction's: at most it).
+- ``test_pairformer_only_json_matches_serial`` (``--pairformer-only``): on a 2x2 grid with uneven N (padding) the CP stack's output,
   input gradients and every parameter gradient equal the serial stack's at fp64 round-off (with and
   without activation checkpointing), and the JSON carries the keys of ``twinshard bench pair``
   plus ``layers``, per-rank memory (tensors and resident), saved and ledger bytes, all positive.
@@ -67,9 +74,10 @@ SMALL = [
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_trunk_json_matches_serial(checkpointing, capsys):
+def test_pairformer_only_json_matches_serial(checkpointing, capsys):
     argv = [
         "trunk",
+        "--pairformer-only",
         "--tokens",
         "7",
         "--grid",
@@ -116,9 +124,83 @@ def test_trunk_train_step_matches_serial(capsys):
     [
         (["--grid", "2by2"], "grid must look like"),
         (["--single-channels", "6", "--heads", "4"], "multiple of --heads"),
+        (["--single-channels", "6", "--heads", "4", "--pairformer-only"], "multiple of --heads"),
+        (["--atoms-per-token", "30"], "at most 24"),
+        (["--msa", "0"], "--msa must be an integer >= 1"),
     ],
 )
 def test_trunk_option_errors(extra, message, capsys):
     assert main(["trunk", "--tokens", "5", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+TRUNK_SMALL = [
+    *SMALL,
+    "--atom-channels",
+    "4",
+    "--atom-pair-channels",
+    "2",
+    "--msa-channels",
+    "4",
+    "--template-channels",
+    "4",
+    "--bins",
+    "8",
+    "--atom-heads",
+    "2",
+    "--msa-heads",
+    "2",
+    "--msa-head-width",
+    "2",
+    "--opm-hidden",
+    "2",
+    "--atoms-per-token",
+    "4",
+    "--msa",
+    "3",
+    "--layers",
+    "1",
+]
+EXACT_MODELS = (
+    "embed:halo",
+    "z_init:columns",
+    "relpos:columns",
+    "msa:s_proj",
+    "msa:token_mask",
+    "template:columns",
+    "template:counted",
+)
+
+
+@pytest.mark.parametrize("recycling", [0, 1])
+def test_whole_trunk_json_matches_serial(recycling, capsys):
+    argv = ["trunk", "--tokens", "10", "--grid", "2x2", "--check-serial", "--json", "--dtype", "float64"]
+    assert main(argv + TRUNK_SMALL + ["--recycling", str(recycling)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert BENCH_PAIR_KEYS <= set(out), sorted(BENCH_PAIR_KEYS - set(out))
+    assert out["op"] == "trunk" and out["recycling"] == recycling and out["templates"] == 2
+    assert out["padded_tokens"] == [10, 10] and out["atoms"] >= 10
+    assert set(out["max_abs_error_out_by_output"]) == {"s_inputs", "s", "z", "pdistogram"}
+    for err, scale in (
+        ("max_abs_error_out", "reference_max_abs_out"),
+        ("max_abs_error_grad_inputs", "reference_max_abs_grad_inputs"),
+        ("max_abs_error_grad_params", "reference_max_abs_grad_params"),
+    ):
+        assert out[scale] > 0.1, (scale, out[scale])
+        assert out[err] < 1e-12 * out[scale], (err, out[err], out[scale])
+    for k in (
+        "saved_bytes_per_rank",
+        "peak_memory_bytes_per_rank",
+        "peak_rss_bytes_per_rank",
+        "ledger_bytes_per_rank",
+    ):
+        assert len(out[k]) == 4 and all(v > 0 for v in out[k]), (k, out[k])
+    assert out["serial_saved_bytes"] > 0 and out["serial_peak_memory_bytes"] > 0
+    assert out["ledger_forward_by_op"]["embed:halo"]["calls"] == [2, 2, 2, 2]  # static + 1 layer
+    models = out["model_bytes"]
+    for name in EXACT_MODELS:
+        assert models[name]["ledger_recv_bytes"] == models[name]["model_bytes"], (name, models[name])
+    assert max(models["embed:halo"]["model_bytes"]) > 0
+    pwa = models["pwa (contraction)"]
+    assert all(0 < g <= m for g, m in zip(pwa["ledger_recv_bytes"], pwa["model_bytes"])), pwa

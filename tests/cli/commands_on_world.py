@@ -14,11 +14,19 @@ import twinshard.runtime.pool as pool
 from twinshard.cli import main
 from twinshard.runtime import init_world
 
+# the whole Boltz-2 trunk at small widths (twinshard trunk's default mode)
+TRUNK_SMALL = [
+    *("--single-channels", "8", "--pair-channels", "4", "--heads", "2", "--pair-head-width", "2"),
+    *("--pair-heads", "2", "--atom-channels", "4", "--atom-pair-channels", "2", "--msa-channels", "4"),
+    *("--template-channels", "4", "--bins", "8", "--msa-heads", "2", "--msa-head-width", "2"),
+    *("--opm-hidden", "2", "--atoms-per-token", "4", "--msa", "3"),
+]
+
 COMMANDS = {
     "demo": ["demo"],
     "selftest": ["selftest", "--device", "cpu", "--json"],
     "md": ["md", "--atoms", "108", "--steps", "3", "--partition", "block", "--check-serial", "--json"],
-    "trunk": ["trunk", "--tokens", "9", "--grid", "2x2", "--layers", "1", "--json"],
+    "trunk": ["trunk", "--tokens", "9", "--grid", "2x2", "--layers", "1", *TRUNK_SMALL, "--json"],
     "validate": ["validate", "--potential", "mpnn", "--json"],
     "bench-pair": ["bench", "pair", "--op", "trimul-out", "--grid", "2x2", "--tokens", "9", "--json"],
     "bench-harness": ["bench", "harness", "--ranks", "4", "--repeat", "2"],

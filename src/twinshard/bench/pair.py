@@ -66,7 +66,16 @@ from twinshard.runtime import get_world, make_grid, reports, run_ranks
 
 __all__ = ["OPS", "add_parser", "bench_rank", "measure", "parse_grid", "run"]
 
-OPS = ("trimul-out", "trimul-in", "opm") + TRUNK_OPS  # the trunk ops: twinshard.bench.pair_ops
+# the trunk ops: twinshard.bench.pair_ops; "trunk": the whole Boltz-2 trunk (bench.whole_trunk)
+OPS = ("trimul-out", "trimul-in", "opm") + TRUNK_OPS + ("trunk",)
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``--tokens``: N, or ``N,N,...`` (several only with ``--op trunk``)."""
+    try:
+        return [int(v) for v in str(text).split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tokens must look like 24 or 64,128, got {text!r}") from None
 
 
 def parse_grid(text: str) -> tuple[int, int]:
@@ -86,12 +95,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a CP pair op vs serial (trimul, OPM, triangle attention, attention with pair bias, Pairformer)",
     )
     p.add_argument("--op", choices=OPS, default="trimul-out")
-    p.add_argument("--tokens", type=int, default=24, help="N (any value; padded internally)")
+    p.add_argument(
+        "--tokens",
+        type=parse_tokens,
+        default=[24],
+        help="N (any value; padded internally); --op trunk takes a list, e.g. 64,128",
+    )
     p.add_argument("--grid", default="2x2", help="rows x cols process grid, e.g. 2x2, 2x3")
     p.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     p.add_argument("--channels", type=int, default=8, help="pair channels (trimul) / MSA channels")
     p.add_argument("--hidden", type=int, default=8, help="channels of a and b")
-    p.add_argument("--sequences", type=int, default=6, help="MSA depth S (opm)")
+    p.add_argument("--sequences", type=int, default=6, help="MSA depth S (opm, trunk)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed forward + backward runs (median)")
@@ -111,6 +125,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--plot", default=None, help="FILE.png: time and memory per rank against ranks")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
+    from twinshard.bench.whole_trunk import add_trunk_options
+
+    add_trunk_options(p, skip=("--msa",))  # --op trunk: the MSA depth is --sequences
     p.set_defaults(func=run)
     return p
 
@@ -467,6 +484,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shapes = [parse_grid(g) for g in str(args.grid).split(",")]
     if args.op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {args.op!r}")
+    tokens = args.tokens if isinstance(args.tokens, list) else [args.tokens]
+    if args.op == "trunk":
+        from twinshard.bench.trunk_bench import run_trunk_bench
+
+        return run_trunk_bench(args, shapes, tokens)
+    if len(tokens) != 1:
+        raise ValueError(f"several --tokens values ({tokens}) only with --op trunk")
+    args.tokens = tokens[0]
     if args.tokens < 1 or args.sequences < 1 or args.batch < 1:
         raise ValueError("tokens, sequences and batch must be positive")
     if getattr(args, "repeats", 0) < 0 or getattr(args, "warmup", 0) < 0:

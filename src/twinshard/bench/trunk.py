@@ -1,6 +1,12 @@
-"""``twinshard trunk``: a random-weight Pairformer stack on a rows x cols grid, measured.
+"""``twinshard trunk``: the random-weight Boltz-2 trunk on a rows x cols grid, measured.
 
-Runs the CP Pairformer stack (``twinshard.pair.layers.pairformer.CPPairformerStack``, random
+By default the WHOLE trunk (``CPBoltz2Trunk`` against ``Boltz2Trunk``) on the synthetic complex:
+``twinshard.bench.whole_trunk`` (``--tokens``, ``--atoms-per-token``, ``--msa``, ``--templates``,
+``--recycling``, widths, blocks and heads; the JSON keys below plus the whole trunk's: errors per
+output, the ``ref_pos`` gradient's error, per-op ledger bytes and the byte models).
+
+``--pairformer-only`` (and ``--train-step``) run the Pairformer stack alone, as the command did
+before the whole trunk existed: it runs the CP Pairformer stack (``twinshard.pair.layers.pairformer.CPPairformerStack``, random
 weights from ``--seed``, Boltz-2's layer structure at the widths given) forward and backward on
 synthetic features (random single and pair representations, a random token mask and the pair
 mask it implies, padding when N does not divide the grid) with one random grad_output for ``s``
@@ -40,6 +46,7 @@ from typing import Any
 import torch
 
 from twinshard.bench.pair import measure, parse_grid
+from twinshard.bench.whole_trunk import add_trunk_options
 from twinshard.comm import CommLedger
 from twinshard.comm.ledger import BYTES_MODEL
 from twinshard.pair.layers.contraction import schedule_name
@@ -51,16 +58,30 @@ __all__ = ["add_parser", "run", "trunk_rank", "summarise"]
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``trunk`` as a top-level ``twinshard`` command."""
     p = subparsers.add_parser(
-        "trunk", help="a random-weight CP Pairformer stack: parity, memory, bytes (JSON)"
+        "trunk",
+        help="the random-weight CP Boltz-2 trunk on a synthetic complex: parity, memory, bytes (JSON)",
     )
     p.add_argument("--tokens", type=int, default=24, help="N (any value; padded internally)")
     p.add_argument("--grid", default="2x2", help="rows x cols process grid, e.g. 2x2, 2x3")
     p.add_argument("--layers", type=int, default=2, help="Pairformer layers")
     p.add_argument(
-        "--train-step", action="store_true", help="one training step instead of forward + backward"
+        "--pairformer-only",
+        action="store_true",
+        help="the Pairformer stack alone on random s and z (the command's mode before the whole trunk)",
     )
-    p.add_argument("--check-serial", action="store_true", help="run the serial stack on rank 0 and compare")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
+    p.add_argument(
+        "--train-step",
+        action="store_true",
+        help="one training step (Pairformer stack + distogram loss + AdamW) instead of forward + backward",
+    )
+    p.add_argument(
+        "--check-serial", action="store_true", help="run the serial trunk (or stack) on rank 0 and compare"
+    )
+    p.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="activation checkpointing per layer (Pairformer, MSA and template blocks)",
+    )
     p.add_argument("--dtype", choices=("float64", "float32"), default="float32")
     p.add_argument("--single-channels", type=int, default=64, help="c_s (token_s)")
     p.add_argument("--pair-channels", type=int, default=32, help="c_z (token_z)")
@@ -71,6 +92,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds the local ranks may take")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=0,
+        help="timed forward + backward runs without the profiler (whole trunk)",
+    )
+    add_trunk_options(p)
     p.set_defaults(func=run)
     return p
 
@@ -416,10 +444,13 @@ def config(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the trunk (spawning rows x cols local ranks unless already in such a world)."""
+    """Run the trunk (spawning rows x cols local ranks unless already in such a world): the
+    whole Boltz-2 trunk, or with ``--pairformer-only`` / ``--train-step`` the Pairformer stack."""
     shape = parse_grid(args.grid)
     if args.tokens < 1:
         raise ValueError("--tokens must be positive")
+    if not (getattr(args, "pairformer_only", False) or getattr(args, "train_step", False)):
+        return run_whole(args, shape)
     cfg = config(args)
     cfg["train_step"] = bool(getattr(args, "train_step", False))
     call = (args.tokens, shape, cfg, args.dtype, bool(args.check_serial), args.seed)
@@ -433,5 +464,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not isinstance(v, list):
                 print(f"{k:32s} {v}")
         print(f"{'peak_memory_bytes_per_rank':32s} {result['peak_memory_bytes_per_rank']}")
+    print(json.dumps(result))
+    return result
+
+
+def run_whole(args: argparse.Namespace, shape: tuple[int, int]) -> dict[str, Any]:
+    """The whole Boltz-2 trunk (``twinshard.bench.whole_trunk``) on rows x cols ranks."""
+    import os
+
+    from twinshard.bench import whole_trunk as W
+
+    o = W.options(args)
+    if args.repeats < 0:
+        raise ValueError("--repeats must not be negative")
+    nranks = shape[0] * shape[1]
+    threads = max(1, min(nranks, os.cpu_count() or 1))
+    call = (args.tokens, shape, o, args.dtype, bool(args.check_serial), args.seed, args.repeats, 0, threads)
+    ranks = run_ranks(W.whole_rank, nranks, *call, option="--grid", deadline=args.timeout)
+    if not reports():
+        return {}
+    result = W.summarise(args.tokens, shape, o, args.dtype, ranks, threads)
+    if not getattr(args, "json", False):
+        for k, v in result.items():
+            if not isinstance(v, (list, dict)):
+                print(f"{k:36s} {v}")
+        print(f"{'peak_memory_bytes_per_rank':36s} {result['peak_memory_bytes_per_rank']}")
     print(json.dumps(result))
     return result
