@@ -20,6 +20,9 @@ What each test proves:
   both ways (``structure_module.*`` names).
 - ``test_cp_sample_vs_boltz``: the CP sampler on 2x2 and 2x3 grids, handed the same callback
   (``GivenDraws``), equals Boltz's coordinates.
+- ``test_cp_twin_of_atom_diffusion``: ``cp_twin_of`` of Boltz's ``AtomDiffusion`` (and of its
+  ``DiffusionConditioning``) is the CP sampler with Boltz's scalars (alignment on) and weights; on
+  2x2 it samples Boltz's coordinates.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from boltz.model.modules.diffusionv2 import AtomDiffusion as BoltzAtomDiffusion 
 from torch import nn  # noqa: E402
 
 from twinshard.pair.features import collect_tensor, distribute, shard_tensor  # noqa: E402
+from twinshard.pair.interop.boltz import cp_twin_of  # noqa: E402
 from twinshard.pair.layers.diffusion import CPDiffusionConditioning  # noqa: E402
 from twinshard.pair.layers.sampler import CPAtomDiffusion  # noqa: E402
 from twinshard.pair.reference.diffusion import DiffusionConditioning  # noqa: E402
@@ -220,3 +224,24 @@ def test_cp_sample_vs_boltz(grid, m, mps):
     want = _boltz_sample(theirs, case, m, mps, torch_draws)
     for r, got in enumerate(run_on_grid(_cp_rank, grid, m, mps, True)):
         assert_parity(got, want, what=f"CP sampled coords vs boltz rank {r} (m={m})", grid=grid_id(grid))
+
+
+def _twin_rank(grid):
+    cfg, case = _case(3)
+    theirs, _ = _boltz_pair(cfg, True)
+    twin = cp_twin_of(theirs["sampler"])
+    assert type(twin).__name__ == "CPAtomDiffusion" and twin.alignment_reverse_diff
+    cond = cp_twin_of(theirs["cond"])
+    d = distribute(case["feats"], grid)
+    x = {k: shard_tensor(case[k], KINDS[k], grid, d.layout) for k in KINDS}
+    mods = nn.ModuleDict({"cond": cond, "sampler": twin}).eval()
+    return collect_tensor(_ours(mods, d, x, 3, None, GivenDraws(torch_draws)))
+
+
+def test_cp_twin_of_atom_diffusion():
+    """``cp_twin_of(Boltz2.structure_module)`` is the CP sampler with Boltz's scalars and weights."""
+    cfg, case = _case(3)
+    theirs, _ = _boltz_pair(cfg, True)
+    want = _boltz_sample(theirs, case, 3, None, torch_draws)
+    for r, got in enumerate(run_on_grid(_twin_rank, (2, 2))):
+        assert_parity(got, want, what=f"cp_twin_of(AtomDiffusion) sample vs boltz rank {r}", grid="2x2")
