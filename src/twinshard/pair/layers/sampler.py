@@ -25,10 +25,11 @@ row's atoms counted once: the ranks of a row hold the same atoms) and summed in 
 every rank of the column holds the same bits, and the 3 x 3 SVD runs replicated on each rank.
 
 Collectives per denoising step: the score model's (:class:`CPDiffusionModule`, forward only, once
-per sample chunk), one all-gather of ``[R, B m, 3]`` (``sampler:atom_sum``) for the mean and, with
-alignment, ``[R, B m, 1 + 3 + 3]`` and ``[R, B m, 3, 3]`` values in three more (the weight sum,
-the two centroids, the covariance). Before the loop: ``agree_scalars`` on the control values (steps,
-samples, chunking, seed, flags). No gradients (sampling runs under ``no_grad``).
+per sample chunk), one all-gather along the grid column (``sampler:atom_sum``) of ``[R, B m, 3]``
+for the centring mean and, with alignment, four more: the weight sum ``[R, B m, 1]``, the two
+weighted centroids ``[R, B m, 3]`` and the covariance ``[R, B m, 3, 3]`` (tiny messages; they
+could be fused into two). Before the loop: ``agree_scalars`` on the control values (steps, samples,
+chunking, seed, draw source, alignment and steering flags). No gradients (``no_grad``).
 
 Memory per rank: the coordinates, noisy and denoised tiles ``[B m, A_blk, 3]`` (``3 x A / R`` per
 sample, a few copies) and the score model's activations for one chunk of samples; nothing of
