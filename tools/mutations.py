@@ -1104,6 +1104,31 @@ MUTATIONS: list[Mutation] = [
         "(times, st.repeat(m, 1, 1), si.repeat(m, 1, 1))",
         ("tests/pair/test_diffusion_cp.py::test_cp_diffusion_matches_serial[2x2-W8-N11-m2]",),
     ),
+    # -- the sampler (issue 20 section 2)
+    M(
+        "sampler_noise_local_atom_index",
+        "a sample's noise keyed by local atom index",
+        "pair/layers/sampler.py",
+        "atoms = torch.where(valid, starts[:, None] + slot[None, :], torch.zeros_like(slot)[None, :])",
+        "atoms = torch.where(valid, slot[None, :], torch.zeros_like(slot)[None, :])",
+        ("tests/pair/test_sampler_cp.py::test_cp_sample_matches_serial[2x2-N11-m3-mps2-align]",),
+    ),
+    M(
+        "sampler_centring_partial_axis",
+        "centring mean over a partial grid axis (my atom block only)",
+        "pair/reference/sampler.py",
+        "return self._atom_sum(x, frame)[:, None] / frame.n_atoms",
+        "return AtomDiffusion._atom_sum(self, x, frame)[:, None] / frame.n_atoms",
+        ("tests/pair/test_sampler_cp.py::test_cp_sample_matches_serial[2x2-N11-m3-mps2-align]",),
+    ),
+    M(
+        "sampler_atom_sum_row_group",
+        "atom sums gathered along the grid row (the same atoms C times) instead of the column",
+        "pair/layers/sampler.py",
+        "every = P.all_gather(part.unsqueeze(0).contiguous(), 0, group=grid.col_group,",
+        "every = P.all_gather(part.unsqueeze(0).contiguous(), 0, group=grid.row_group,",
+        ("tests/pair/test_sampler_cp.py::test_cp_sample_matches_serial[2x2-N11-m3-mps2-align]",),
+    ),
 ]
 
 

@@ -85,6 +85,8 @@ SUPPORTED = (
     # Boltz2.structure_module.score_model
     "DiffusionConditioning",
     "DiffusionModule",
+    # Boltz2.structure_module (its sampler; issue 20 section 2)
+    "AtomDiffusion",
 )
 
 
@@ -403,8 +405,13 @@ def _twin_class(kind: str) -> type:
         return _pair_init_class(kind)
     if kind in _DIFFUSION_KINDS:
         from twinshard.pair.layers.diffusion import CPDiffusionConditioning, CPDiffusionModule
+        from twinshard.pair.layers.sampler import CPAtomDiffusion
 
-        return {"DiffusionConditioning": CPDiffusionConditioning, "DiffusionModule": CPDiffusionModule}[kind]
+        return {
+            "DiffusionConditioning": CPDiffusionConditioning,
+            "DiffusionModule": CPDiffusionModule,
+            "AtomDiffusion": CPAtomDiffusion,
+        }[kind]
     if kind in ("PairformerNoSeqLayer", "PairformerNoSeqModule"):
         from twinshard.pair.layers.pairformer import CPPairformerNoSeqLayer, CPPairformerNoSeqModule
 
@@ -600,14 +607,18 @@ def cp_trunk_of(model: nn.Module, convention: str = "boltz") -> nn.Module:
 
 # -- the structure module's conditioning and score model (issue 20) -------------------------------
 
-_DIFFUSION_KINDS = ("DiffusionConditioning", "DiffusionModule")
+_DIFFUSION_KINDS = ("DiffusionConditioning", "DiffusionModule", "AtomDiffusion")
 
 
 def _diffusion_modules() -> dict[str, type]:
     from boltz.model.modules.diffusion_conditioning import DiffusionConditioning
-    from boltz.model.modules.diffusionv2 import DiffusionModule
+    from boltz.model.modules.diffusionv2 import AtomDiffusion, DiffusionModule
 
-    return {"DiffusionConditioning": DiffusionConditioning, "DiffusionModule": DiffusionModule}
+    return {
+        "DiffusionConditioning": DiffusionConditioning,
+        "DiffusionModule": DiffusionModule,
+        "AtomDiffusion": AtomDiffusion,
+    }
 
 
 def _transitions(ts: nn.ModuleList, dim: int, what: str) -> int:
@@ -621,7 +632,36 @@ def _heads(projs: nn.ModuleList) -> tuple[int, int]:
     return len(projs), int(projs[0][1].out_features)
 
 
+_SAMPLER_SCALARS = (
+    "num_sampling_steps",
+    "sigma_min",
+    "sigma_max",
+    "sigma_data",
+    "rho",
+    "P_mean",
+    "P_std",
+    "gamma_0",
+    "gamma_min",
+    "noise_scale",
+    "step_scale",
+    "step_scale_random",
+    "coordinate_augmentation",
+    "coordinate_augmentation_inference",
+    "alignment_reverse_diff",
+    "synchronize_sigmas",
+)
+
+
 def _diffusion_config(kind: str, module: nn.Module) -> dict[str, Any]:
+    if kind == "AtomDiffusion":
+        if not isinstance(module.score_model, _diffusion_modules()["DiffusionModule"]):
+            raise TypeError(
+                "a boltz AtomDiffusion with a compiled score model (compile_score) has no CP twin"
+            )
+        return {
+            "score_model_args": _diffusion_config("DiffusionModule", module.score_model),
+            **{k: getattr(module, k) for k in _SAMPLER_SCALARS},
+        }
     if kind == "DiffusionConditioning":
         enc = module.atom_encoder
         tz = int(module.pairwise_conditioner.dim_pairwise_init_proj[1].out_features)

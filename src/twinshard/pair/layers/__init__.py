@@ -30,6 +30,7 @@ from twinshard.pair.layers.pairformer import (
     CPPairformerNoSeqModule,
     CPPairformerStack,
 )
+from twinshard.pair.layers.sampler import CPAtomDiffusion
 from twinshard.pair.layers.template import CPTemplateModule, CPTemplateV2Module
 from twinshard.pair.layers.tokenwise import TokenwiseTwin, grad_group, pointwise, replicated_params
 from twinshard.pair.layers.transition import CPTransition
@@ -82,4 +83,5 @@ __all__ = [
     "replicated_params",
     "CPDiffusionConditioning",
     "CPDiffusionModule",
+    "CPAtomDiffusion",
 ]

@@ -34,6 +34,7 @@ from twinshard.pair.reference.pairformer import (
     PairformerNoSeqModule,
     PairformerStack,
 )
+from twinshard.pair.reference.sampler import AtomDiffusion, CounterDraws, GivenDraws
 from twinshard.pair.reference.template import TemplateModule, TemplateV2Module
 from twinshard.pair.reference.transition import Transition
 from twinshard.pair.reference.triangle import (
@@ -89,4 +90,7 @@ __all__ = [
     "stream_id",
     "DiffusionConditioning",
     "DiffusionModule",
+    "AtomDiffusion",
+    "CounterDraws",
+    "GivenDraws",
 ]
