@@ -167,6 +167,8 @@ class ConfidenceHeads(nn.Module):
     ``to_pae_intra_logits``, ``to_pae_inter_logits``), likewise ``to_pde_*``, ``to_plddt_logits``,
     ``to_resolved_logits`` (all bias-free), in Boltz's order."""
 
+    linear: type[nn.Module] = Linear  # the twin's heads use CPLinear
+
     def __init__(
         self,
         token_s: int,
@@ -186,21 +188,20 @@ class ConfidenceHeads(nn.Module):
             )
         self.token_level_confidence = True
         self.use_separate_heads = use_separate_heads
+        lin = self.linear
         if use_separate_heads:
-            self.to_pae_intra_logits = Linear(token_z, num_pae_bins, bias=False)
-            self.to_pae_inter_logits = Linear(token_z, num_pae_bins, bias=False)
-            self.to_pde_intra_logits = Linear(token_z, num_pde_bins, bias=False)
-            self.to_pde_inter_logits = Linear(token_z, num_pde_bins, bias=False)
+            self.to_pae_intra_logits = lin(token_z, num_pae_bins, bias=False)
+            self.to_pae_inter_logits = lin(token_z, num_pae_bins, bias=False)
+            self.to_pde_intra_logits = lin(token_z, num_pde_bins, bias=False)
+            self.to_pde_inter_logits = lin(token_z, num_pde_bins, bias=False)
         else:
-            self.to_pae_logits = Linear(token_z, num_pae_bins, bias=False)
-            self.to_pde_logits = Linear(token_z, num_pde_bins, bias=False)
-        self.to_plddt_logits = Linear(token_s, num_plddt_bins, bias=False)
-        self.to_resolved_logits = Linear(token_s, 2, bias=False)
+            self.to_pae_logits = lin(token_z, num_pae_bins, bias=False)
+            self.to_pde_logits = lin(token_z, num_pde_bins, bias=False)
+        self.to_plddt_logits = lin(token_s, num_plddt_bins, bias=False)
+        self.to_resolved_logits = lin(token_s, 2, bias=False)
 
-    def pair_logits(
-        self, z: torch.Tensor, zz: torch.Tensor, same: torch.Tensor | None, kind: str
-    ) -> torch.Tensor:
-        """``kind`` (``pae`` on z, ``pde`` on zz = z + z^T) logits; ``same`` the same-chain pairs."""
+    def pair_logits(self, zz: torch.Tensor, same: torch.Tensor | None, kind: str) -> torch.Tensor:
+        """``kind`` (``pae`` of z, ``pde`` of z + z^T) logits of ``zz``; ``same`` the same-chain pairs."""
         if not self.use_separate_heads:
             return getattr(self, f"to_{kind}_logits")(zz)
         same = same.to(zz.dtype)[..., None]
@@ -221,8 +222,8 @@ class ConfidenceHeads(nn.Module):
         m = multiplicity
         asym = feats["asym_id"].repeat_interleave(m, 0)
         same = asym[:, :, None] == asym[:, None, :]
-        pae_logits = self.pair_logits(z, z, same, "pae")
-        pde_logits = self.pair_logits(z, z + z.transpose(1, 2), same, "pde")
+        pae_logits = self.pair_logits(z, same, "pae")
+        pde_logits = self.pair_logits(z + z.transpose(1, 2), same, "pde")
         resolved_logits = self.to_resolved_logits(s)
         plddt_logits = self.to_plddt_logits(s)
 
