@@ -126,3 +126,52 @@ def test_confidence_matches_boltz(case):
         g_t = torch.autograd.grad([out_t[k] for k in LOGITS], list(leaves_t.values()) + p_t, gos)
     for name, a, e in zip(names, g_o, g_t):
         assert_parity(a, e, what=f"{what} grad {name} vs boltz")
+
+
+# -- cp_twin_of(boltz ConfidenceModule) on a grid against boltz's module itself -------------------
+
+from test_confidence_cp import DIFF, KINDS, ZERO, run_twin  # noqa: E402
+
+from twinshard.pair.interop.boltz import cp_twin_of  # noqa: E402
+from twinshard.testing import check_twin, grid_id, run_on_grid, serial_reference  # noqa: E402
+
+CP_CASES = [((2, 2), dict(b=1, n=11, m=2, flags={})), ((2, 3), dict(b=1, n=13, m=1, flags={}))]
+
+
+def _boltz_rank(grid, c):
+    _, theirs = _build(confidence_config(**c["flags"]))
+    twin = cp_twin_of(theirs)
+    assert type(twin).__name__ == "CPConfidenceModule"
+    return run_twin(grid, twin, c)
+
+
+@pytest.mark.parametrize("grid,c", CP_CASES, ids=[grid_id(g) for g, _ in CP_CASES])
+def test_cp_twin_of_confidence_vs_boltz(grid, c):
+    """One element without padding tokens (Boltz's padding rows are round-off sensitive, see
+    ``real_mask``), so every entry of every output is compared."""
+    got = run_on_grid(_boltz_rank, grid, c)
+    _, theirs = _build(confidence_config(**c["flags"]))
+    case = confidence_case(c["b"], c["n"], confidence_config(**c["flags"]), m=c["m"], seed=c["n"])
+    assert bool((case["feats"]["token_pad_mask"] > 0).all())
+
+    def run(**x):
+        with boltz_fp64():
+            out = theirs(
+                x["s_inputs"],
+                x["s"],
+                x["z"],
+                case["x_pred"],
+                case["feats"],
+                case["pdist"],
+                multiplicity=c["m"],
+            )
+        run.out = out
+        return torch.cat([out[k].reshape(-1) for k in DIFF])
+
+    ref = serial_reference(theirs, run, {k: case[k] for k in KINDS}, grad_seed=8)
+    out = run.out
+    figs = torch.cat([out[k].reshape(-1) for k in FIGURES[3:]] + [chain_pairs(out).reshape(-1)])
+    ref["serial_out"] = torch.cat([ref["serial_out"], figs.detach()])
+    ref["serial_param_grads"] = {k: p.grad for k, p in theirs.named_parameters() if p.requires_grad}
+    what = f"cp_twin_of(boltz ConfidenceModule) {c}"
+    check_twin(what=what, grid=grid_id(grid), ranks=[g[0] for g in got], zero_grads=ZERO, **ref)

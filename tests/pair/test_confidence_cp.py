@@ -65,8 +65,12 @@ def _flat(out: dict, collect) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rank(grid, c):
+    return run_twin(grid, _build(CPConfidenceModule, c["flags"]), c)
+
+
+def run_twin(grid, twin, c):
+    """This rank's ``(TwinResult, derived figures)`` of ``twin`` on case ``c``."""
     case = _case(c)
-    twin = _build(CPConfidenceModule, c["flags"])
     leaves = {k: case[k].clone().requires_grad_() for k in KINDS}
     fd = distribute(case["feats"] | {"pdist": case["pdist"]}, grid, kinds={"pdist": "pair"})
     x = {k: shard_tensor(leaves[k], KINDS[k], grid, fd.layout) for k in KINDS}
