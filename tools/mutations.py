@@ -1129,6 +1129,23 @@ MUTATIONS: list[Mutation] = [
         "every = P.all_gather(part.unsqueeze(0).contiguous(), 0, group=grid.row_group,",
         ("tests/pair/test_sampler_cp.py::test_cp_sample_matches_serial[2x2-N11-m3-mps2-align]",),
     ),
+    # -- the confidence module (issue 20 section 3)
+    M(
+        "confidence_ptm_partial_axis",
+        "pTM row sums reduced over the wrong grid axis (a partial sum of the PAE bins' tm terms)",
+        "pair/layers/confidence.py",
+        'sums = P.all_reduce(sums, grid.row_group, op="confidence:ptm_rows")',
+        'sums = P.all_reduce(sums, grid.col_group, op="confidence:ptm_rows")',
+        ("tests/pair/test_confidence_cp.py::test_cp_confidence_matches_serial[2x2-B2-N11-m1]",),
+    ),
+    M(
+        "confidence_rep_cols_from_rows",
+        "column side's representative-atom coordinates taken from the row block",
+        "pair/layers/confidence.py",
+        'x_cols = column_block(x_rows, grid, layout.padded, "confidence:rep_columns", differentiable=False)',
+        "x_cols = x_rows",
+        ("tests/pair/test_confidence_cp.py::test_cp_confidence_matches_serial[2x2-B2-N11-m1]",),
+    ),
 ]
 
 

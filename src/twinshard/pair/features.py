@@ -150,6 +150,7 @@ PLACEMENT_TABLE: dict[str, str] = {
     "disto_center": "single",
     "modified": "single",
     "cyclic_period": "single",
+    "frames_idx": "single",  # [B, N, 3] global atom indices of each token's frame (confidence pTM)
     # per-token-pair features
     "token_bonds": "pair",
     "type_bonds": "pair",

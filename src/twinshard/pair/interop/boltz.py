@@ -87,6 +87,8 @@ SUPPORTED = (
     "DiffusionModule",
     # Boltz2.structure_module (its sampler; issue 20 section 2)
     "AtomDiffusion",
+    # the confidence module (issue 20 section 3): Boltz2.confidence_module
+    "ConfidenceModule",
 )
 
 
@@ -134,6 +136,7 @@ def boltz_modules() -> dict[str, type]:
         "AtomEncoder": AtomEncoder,
         "AtomAttentionEncoder": AtomAttentionEncoder,
         **_diffusion_modules(),
+        **_confidence_modules(),
     }
 
 
@@ -379,6 +382,8 @@ def twin_config(module: nn.Module) -> tuple[str, dict[str, Any]]:
         }
     if kind == "AtomAttentionEncoder":
         return kind, _attention_encoder_config(module)
+    if kind == "ConfidenceModule":
+        return kind, _confidence_config(module)
     # PairformerModule
     if len(module.layers) == 0:
         raise TypeError("a boltz PairformerModule with no layers has nothing to twin")
@@ -403,6 +408,10 @@ def _twin_class(kind: str) -> type:
         return CPPairformerLayer if kind == "PairformerLayer" else CPPairformerStack
     if kind in _PAIR_INIT_KINDS:
         return _pair_init_class(kind)
+    if kind == "ConfidenceModule":
+        from twinshard.pair.layers.confidence import CPConfidenceModule
+
+        return CPConfidenceModule
     if kind in _DIFFUSION_KINDS:
         from twinshard.pair.layers.diffusion import CPDiffusionConditioning, CPDiffusionModule
         from twinshard.pair.layers.sampler import CPAtomDiffusion
@@ -456,6 +465,7 @@ DROPOUT_KINDS = (
     "MSAModule",
     "TemplateV2Module",
     "TemplateModule",
+    "ConfidenceModule",
 )
 LONE_LAYERS = ("PairformerLayer", "PairformerNoSeqLayer", "MSALayer")
 
@@ -712,3 +722,54 @@ def _diffusion_config(kind: str, module: nn.Module) -> dict[str, Any]:
         "activation_checkpointing": bool(module.activation_checkpointing),
         "transformer_post_ln": isinstance(enc.diffusion_transformer.layers[0].post_lnorm, nn.LayerNorm),
     }
+
+
+# -- the confidence module (issue 20 section 3) ---------------------------------------------------
+
+
+def _confidence_modules() -> dict[str, type]:
+    from boltz.model.modules.confidencev2 import ConfidenceModule
+
+    return {"ConfidenceModule": ConfidenceModule}
+
+
+def _confidence_config(module: nn.Module) -> dict[str, Any]:
+    """The ``CPConfidenceModule`` arguments of a boltz ``ConfidenceModule`` (v2), from its parts."""
+    heads = module.confidence_heads
+    if not heads.token_level_confidence:
+        raise TypeError(
+            "a boltz ConfidenceModule with atom-level confidence has no CP twin (token level only)"
+        )
+    _, stack = twin_config(module.pairformer_stack)
+    stack = {k: v for k, v in stack.items() if k not in ("token_s", "token_z")}
+    sep = bool(heads.use_separate_heads)
+    pae = heads.to_pae_intra_logits if sep else heads.to_pae_logits
+    pde = heads.to_pde_intra_logits if sep else heads.to_pde_logits
+    cfg: dict[str, Any] = {
+        "token_s": int(module.s_to_z.in_features),
+        "token_z": int(module.s_to_z.out_features),
+        "pairformer_args": {**stack, "no_update_s": bool(module.no_update_s)},
+        "num_dist_bins": int(module.dist_bin_pairwise_embed.num_embeddings),
+        "max_dist": float(module.boundaries[-1]),  # the buffer itself is loaded from the state_dict
+        "add_s_to_z_prod": bool(module.add_s_to_z_prod),
+        "add_s_input_to_s": bool(module.add_s_input_to_s),
+        "add_z_input_to_z": bool(module.add_z_input_to_z),
+        "return_latent_feats": bool(module.return_latent_feats),
+        "confidence_args": {
+            "num_plddt_bins": int(heads.to_plddt_logits.out_features),
+            "num_pde_bins": int(pde.out_features),
+            "num_pae_bins": int(pae.out_features),
+            "use_separate_heads": sep,
+        },
+    }
+    if module.add_z_input_to_z:
+        bonds = int(module.token_bonds.in_features)
+        cfg.update(
+            maximum_bond_distance=0 if bonds == 1 else bonds - 2,
+            bond_type_feature=bool(module.bond_type_feature),
+            fix_sym_check=bool(module.rel_pos.fix_sym_check),
+            cyclic_pos_enc=bool(module.rel_pos.cyclic_pos_enc),
+            conditioning_cutoff_min=float(module.contact_conditioning.cutoff_min),
+            conditioning_cutoff_max=float(module.contact_conditioning.cutoff_max),
+        )
+    return cfg
