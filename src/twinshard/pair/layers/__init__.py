@@ -8,6 +8,7 @@ Inputs and outputs are DTensors at the placements of ``twinshard.pair.tiling``.
 from twinshard.pair.layers.atom_encoder import CPAtomAttentionEncoder, CPAtomEncoder
 from twinshard.pair.layers.atom_transformer import CPAtomTransformer
 from twinshard.pair.layers.attention import CPAttentionPairBias
+from twinshard.pair.layers.confidence import CPConfidenceModule
 from twinshard.pair.layers.diffusion import CPDiffusionConditioning, CPDiffusionModule
 from twinshard.pair.layers.distogram import CPDistogramHead
 from twinshard.pair.layers.dropout import CPDropout
@@ -84,4 +85,5 @@ __all__ = [
     "CPDiffusionConditioning",
     "CPDiffusionModule",
     "CPAtomDiffusion",
+    "CPConfidenceModule",
 ]

@@ -7,6 +7,7 @@ same parameters in the same order and must match them to fp64 round-off.
 from twinshard.pair.reference.atom_encoder import AtomAttentionEncoder, AtomEncoder
 from twinshard.pair.reference.atom_transformer import AtomTransformer, DiffusionTransformer
 from twinshard.pair.reference.attention import AttentionPairBias
+from twinshard.pair.reference.confidence import ConfidenceModule
 from twinshard.pair.reference.diffusion import DiffusionConditioning, DiffusionModule
 from twinshard.pair.reference.distogram import DistogramHead, distogram_loss, distogram_target
 from twinshard.pair.reference.dropout import (
@@ -91,6 +92,7 @@ __all__ = [
     "DiffusionConditioning",
     "DiffusionModule",
     "AtomDiffusion",
+    "ConfidenceModule",
     "CounterDraws",
     "GivenDraws",
 ]
