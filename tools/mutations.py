@@ -906,7 +906,7 @@ MUTATIONS: list[Mutation] = [
         "sanity_halo_position_check_dropped",
         "dropped check",
         "atoms/parallel/sharded.py",
-        "return sanity.check_positions(allstats[:, :-1], limit), bool(",
+        "return sanity.check_positions(allstats[:, :-2], limit), bool(",
         "return float(allstats[:, 0].max()), bool(",
         ("tests/atoms/test_sanity.py",),
     ),
