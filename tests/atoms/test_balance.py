@@ -235,3 +235,45 @@ def test_cuts_from_one_rank_histogram_are_caught():
     res = run_on_world(_rank_md, 4, None, 1.05, "balance_local_histogram")
     with pytest.raises(AssertionError, match="cut planes"):
         assert_replicated([r["cuts"] for r in res], "cut planes (one rank's histogram)")
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def test_run_md_balance_equals_unbalanced_run():
+    """``run_md(balance=...)`` on the slab at 3 ranks: the same trajectory as equal slabs (round-off),
+    a balanced start, the counts and rebalances in ``info``."""
+    from twinshard.atoms import run_md
+
+    s = structures.argon_slab()
+    pot = LennardJones(cutoff=CUTOFF)
+    kw = {"ranks": 3, "steps": 10, "dt": 4.0, "initial_temperature": 60.0, "skin": SKIN}
+    plain = run_md(s, pot, **kw)
+    bal = run_md(s, pot, balance=1.02, **kw)
+    print(
+        f"run_md slab P=3: owned {plain.info['owned_atoms_per_rank_start']} -> {bal.info['owned_atoms_per_rank_start']}"
+    )
+    assert imbalance(bal.info["owned_atoms_per_rank_start"]) <= 1.1
+    assert sum(bal.info["owned_atoms_per_rank"]) == s.n_atoms
+    assert_parity(
+        bal.system.positions, plain.system.positions, what="run_md positions, balanced vs equal slabs P=3"
+    )
+    assert_parity(bal.forces, plain.forces, what="run_md forces, balanced vs equal slabs P=3")
+    with pytest.raises(ValueError, match="balance= moves the cut planes"):
+        run_md(s, pot, storage="graph", balance=1.1, **kw)
+
+
+def test_md_command_balance_json():
+    """``twinshard md argon_slab --balance 1.05``'s rank body: owned atoms at the start and the end,
+    max / mean, rebalances in the JSON."""
+    from twinshard.atoms.dynamics.config import MDConfig
+    from twinshard.atoms.dynamics.driver import md_rank
+
+    cfg = MDConfig(structure="argon_slab", steps=4, balance=1.05, skin=SKIN, cutoff=CUTOFF, check_serial=True)
+    out = run_on_world(md_rank, 4, cfg)[0]
+    print(f"md --balance slab P=4: grid {out['rank_grid']} owned {out['owned_atoms_per_rank_start']}")
+    assert out["balance"] == 1.05 and out["imbalance_start"] <= 1.1
+    assert sum(out["owned_atoms_per_rank"]) == out["atoms"] and min(out["owned_atoms_per_rank_start"]) > 0
+    assert out["max_position_error"] is not None and out["max_position_error"] < 1e-10
+    with pytest.raises(Exception, match="--balance moves the cut planes"):
+        run_on_world(md_rank, 2, MDConfig(structure="argon_slab", steps=1, balance=1.05, partition="block"))
