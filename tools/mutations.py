@@ -328,6 +328,23 @@ MUTATIONS: list[Mutation] = [
         "_ = self._rank == 0 and self._engine.set_cell(self.cell().to(positions.dtype))",
         ("tests/atoms/test_npt.py",),
     ),
+    # -- atoms: load balance (cut planes where the atoms are, from histograms summed over ranks)
+    M(
+        "balance_drops_plane_atom",
+        "atom dropped at a cut plane",
+        "atoms/parallel/balance.py",
+        "return (f[:, None] >= inner[group]).sum(1).to(torch.int64)",
+        "return (f[:, None] > inner[group]).sum(1).to(torch.int64)",
+        ("tests/atoms/test_balance.py::test_atoms_on_cut_planes_belong_to_the_box_that_holds_them",),
+    ),
+    M(
+        "balance_histogram_one_rank",
+        "missing reduction",
+        "atoms/parallel/sharded.py",
+        'return prim.all_reduce(hist.to(dev), self.group, op="balance").cpu()',
+        "return hist  # this rank's histogram only",
+        ("tests/atoms/test_balance.py::test_balanced_md_equals_serial",),
+    ),
     # -- atoms: the files of an MD run (torn tails of a killed run, unwritable paths)
     M(
         "torn_frame_left_in_place",
@@ -889,7 +906,7 @@ MUTATIONS: list[Mutation] = [
         "sanity_halo_position_check_dropped",
         "dropped check",
         "atoms/parallel/sharded.py",
-        "return sanity.check_positions(allstats[:, :-1], limit), bool(",
+        "return sanity.check_positions(allstats[:, :-2], limit), bool(",
         "return float(allstats[:, 0].max()), bool(",
         ("tests/atoms/test_sanity.py",),
     ),

@@ -157,7 +157,20 @@ def _npt_cell_one_rank(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(DistributedEngine, "set_cell", set_cell)
 
 
+def _balance_local_histogram(mp: pytest.MonkeyPatch) -> None:
+    """The balancer's cut planes come from this rank's histogram only (the all_reduce is missing)."""
+    from twinshard.atoms.parallel import sharded
+
+    prim = types.SimpleNamespace(**vars(sharded.prim))
+    orig = sharded.prim.all_reduce
+    prim.all_reduce = lambda x, group=None, op="all_reduce": (
+        x.clone() if op == "balance" else orig(x, group, op)
+    )
+    mp.setattr(sharded, "prim", prim)
+
+
 PLANTS = {
+    "balance_local_histogram": _balance_local_histogram,
     "npt_virial_local": _npt_virial_local,
     "npt_cell_one_rank": _npt_cell_one_rank,
     "block_inputs_drops_wrap_shift": _block_inputs_drops_wrap_shift,

@@ -129,6 +129,15 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--skin", type=float, default=1.0, help="Verlet skin in Angstrom")
     p.add_argument("--partition", choices=("spatial", "block"), default="spatial")
     p.add_argument(
+        "--balance",
+        type=float,
+        default=None,
+        metavar="THRESHOLD",
+        help="load balance (spatial partition, halo storage): when max/mean owned atoms per rank "
+        "exceeds THRESHOLD (>= 1, e.g. 1.1) at the start or at a neighbour-list rebuild, the cut "
+        "planes move to balance the counts and atoms migrate (default: equal slabs)",
+    )
+    p.add_argument(
         "--storage",
         choices=("halo", "graph"),
         default="halo",

@@ -8,7 +8,10 @@
 - :func:`triclinic_argon`: a rattled supercell of the primitive (rhombohedral)
   fcc cell, a fully triclinic periodic example;
 - :func:`lj_mixture`: a two-species LJ liquid (Ar/Kr, 80:20) with matching
-  per-species parameters from :func:`lj_mixture_parameters`.
+  per-species parameters from :func:`lj_mixture_parameters`;
+- inhomogeneous systems for load balance: :func:`argon_slab` (an fcc slab filling half a
+  periodic box along z, 50% vacuum), :func:`argon_droplet` (a sphere of fcc argon in the middle
+  of a periodic box), :func:`argon_corner` (the same sphere in one corner of a larger box).
 
 Every builder takes a ``seed`` and is deterministic.
 """
@@ -30,6 +33,9 @@ __all__ = [
     "triclinic_argon",
     "lj_mixture",
     "lj_mixture_parameters",
+    "argon_slab",
+    "argon_droplet",
+    "argon_corner",
     "STRUCTURES",
     "build",
 ]
@@ -178,11 +184,86 @@ def lj_mixture(
     return s
 
 
+def argon_slab(
+    n_atoms: int | None = None,
+    repeat: tuple[int, int, int] | None = None,
+    vacuum: float = 0.5,
+    rattle: float = 0.1,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> System:
+    """An fcc argon slab of ``repeat`` conventional cells (default 4 x 4 x 3: 192 atoms; with
+    ``n_atoms``, an n x n x 3 slab of at least that many) centred in a periodic box whose z
+    length is the slab's / (1 - ``vacuum``): 50% vacuum by default, all axes periodic."""
+    if repeat is None:
+        n = 4 if n_atoms is None else max(1, math.ceil(math.sqrt(n_atoms / 12) - 1e-9))
+        repeat = (n, n, 3)
+    s = fcc_argon(repeat=repeat, rattle=rattle, seed=seed, dtype=dtype)
+    if not 0 <= vacuum < 1:
+        raise ValueError(f"vacuum is the box's empty fraction along z, in [0, 1); got {vacuum}")
+    cell = s.cell.clone()
+    thick = float(cell[2, 2])
+    cell[2, 2] = thick / (1 - vacuum)
+    pos = s.positions.clone()
+    pos[:, 2] += (float(cell[2, 2]) - thick) / 2
+    return System(positions=pos, numbers=s.numbers, cell=cell, pbc=True, info={"name": "argon_slab"})
+
+
+def _sphere(
+    radius: float, centre: np.ndarray, box: float, rattle: float, seed: int, dtype: torch.dtype
+) -> System:
+    reps = math.ceil(2 * radius / ARGON_LATTICE) + 1
+    s = fcc_argon(repeat=reps)
+    pos = s.positions.numpy()
+    pos = pos - pos.mean(0)
+    keep = np.linalg.norm(pos, axis=1) <= radius
+    pos = _rattle(pos[keep] + centre, rattle, seed)
+    return System(
+        positions=torch.as_tensor(pos, dtype=dtype),
+        numbers=torch.full((len(pos),), 18, dtype=torch.int64),
+        cell=torch.eye(3, dtype=dtype) * box,
+        pbc=True,
+    )
+
+
+def _radius(n_atoms: int | None) -> float:
+    """The radius of an fcc argon sphere of about ``n_atoms`` (default 11 A: ~180 atoms)."""
+    if n_atoms is None:
+        return 11.0
+    return (3 * n_atoms * ARGON_LATTICE**3 / (16 * math.pi)) ** (1 / 3)
+
+
+def argon_droplet(
+    n_atoms: int | None = None, rattle: float = 0.1, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> System:
+    """A sphere of fcc argon (about ``n_atoms``; default radius 11 A) centred in a periodic cube
+    of side 3.2 radii (vacuum around it)."""
+    r = _radius(n_atoms)
+    box = 3.2 * r
+    s = _sphere(r, np.full(3, box / 2), box, rattle, seed, dtype)
+    s.info = {"name": "argon_droplet"}
+    return s
+
+
+def argon_corner(
+    n_atoms: int | None = None, rattle: float = 0.1, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> System:
+    """The droplet's sphere in one corner of a periodic cube of side 4 radii: its centre at 1.2
+    radii from three faces (a cluster in one corner)."""
+    r = _radius(n_atoms)
+    s = _sphere(r, np.full(3, 1.2 * r), 4.0 * r, rattle, seed, dtype)
+    s.info = {"name": "argon_corner"}
+    return s
+
+
 STRUCTURES = {
     "fcc_argon": fcc_argon,
     "random_packing": random_packing,
     "triclinic_argon": triclinic_argon,
     "lj_mixture": lj_mixture,
+    "argon_slab": argon_slab,
+    "argon_droplet": argon_droplet,
+    "argon_corner": argon_corner,
 }
 
 

@@ -34,6 +34,7 @@ the final system is gathered on rank 0 only.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -169,6 +170,7 @@ def run_md(
     initial_temperature: float | None = None,
     skin: float = 1.0,
     partition: str = "spatial",
+    balance: float | None = None,
     storage: str = "halo",
     trajectory: str | os.PathLike | None = None,
     trajectory_every: int = 10,
@@ -212,6 +214,12 @@ def run_md(
             at this temperature (keyed by atom id and ``seed``); otherwise the
             system's velocities (ASE momenta) are kept.
         skin: Verlet skin (A); ``partition``: ``"spatial"`` or ``"block"``.
+        balance: load balance of the spatial partition (halo storage): a threshold on max / mean
+            owned atoms per rank (>= 1, e.g. 1.1). At the start and at every neighbour-list
+            rebuild where it is exceeded, the cut planes move to balance the counts and atoms
+            migrate (:mod:`twinshard.atoms.parallel.balance`); ``info`` gets
+            ``owned_atoms_per_rank`` (start and final) and ``rebalances``. ``None``: equal slabs
+            (the grid is still chosen where the atoms are).
         storage: ``"halo"`` (spatial domains with halos) or ``"graph"`` (plain models: atoms split
             by index, geometry replicated; :mod:`twinshard.atoms.parallel.graph_storage`).
         trajectory, trajectory_every: extxyz frames gathered on rank 0.
@@ -252,12 +260,23 @@ def run_md(
     )
     if pressure is not None and storage == "graph":
         raise ValueError("pressure= runs with storage='halo' (graph storage keeps its cell fixed)")
+    if balance is not None:
+        if storage != "halo" or partition != "spatial":
+            raise ValueError(
+                "balance= moves the cut planes of the spatial partition: it runs with storage='halo', "
+                "partition='spatial' (graph storage and the block partition are balanced by index)"
+            )
+        if not (float(balance) >= 1.0 and math.isfinite(float(balance))):
+            raise ValueError(
+                f"balance is a threshold on max/mean owned atoms, >= 1 (e.g. 1.1); got {balance}"
+            )
     opts = {
         "steps": int(steps),
         "initial_temperature": initial_temperature,
         "seed": int(seed),
         "skin": float(skin),
         "partition": partition,
+        "balance": None if balance is None else float(balance),
         "storage": storage,
         "trajectory": None if trajectory is None else os.fspath(trajectory),
         "trajectory_every": max(1, int(trajectory_every)),
@@ -366,8 +385,14 @@ def _md_rank(
         sharded = GraphSharded.scatter(mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"])
     else:
         sharded = ShardedSystem.scatter(
-            mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"], partition=opts["partition"]
+            mine,
+            0,
+            cutoff=float(potential.cutoff),
+            skin=opts["skin"],
+            partition=opts["partition"],
+            balance=opts["balance"],
         )
+    owned0 = sharded.counts()
     from twinshard.atoms.parallel.plain_inputs import potential_mode
 
     dp = DistributedPotential(potential, mode=potential_mode(potential))
@@ -411,6 +436,16 @@ def _md_rank(
             "file_repairs": notes,
             "potential_notice": changed,
             **npt_figures(out["thermo"]),
+            "owned_atoms_per_rank_start": owned0,
+            "owned_atoms_per_rank": counts,
+            "rebalances": int(getattr(sharded, "rebalances", 0)),
+            "rank_grid": _grid_of(sharded),
             **{k: opts[k] if opts[k] < float("inf") else None for k in ("max_temperature", "max_force")},
         },
     )
+
+
+def _grid_of(sharded: Any) -> list[int] | None:
+    """The spatial rank grid, or None (block partition, graph storage)."""
+    grid = getattr(getattr(sharded, "partition", None), "grid", None)
+    return None if grid is None else [int(g) for g in grid]

@@ -5,6 +5,7 @@ and the ghost-shell estimate the JSON reports. The rank body that uses them is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,7 @@ class MDConfig:
     seed: int = 0
     skin: float = 1.0
     partition: str = "spatial"
+    balance: float | None = None  # rebalance threshold on max/mean owned atoms (spatial, halo)
     storage: str = "halo"
     check_serial: bool = False
     thermo_every: int = 10
@@ -201,6 +203,16 @@ def potential_from_config(cfg: MDConfig, species: list[int]) -> Any:
 
 
 def make_integrator(cfg: MDConfig) -> VelocityVerlet:
+    if cfg.balance is not None and (cfg.storage != "halo" or cfg.partition != "spatial"):
+        raise ValueError(
+            "--balance moves the cut planes of the spatial partition: it runs with --storage halo "
+            "--partition spatial (graph storage and the block partition split atoms by index, "
+            "already balanced)"
+        )
+    if cfg.balance is not None and not (cfg.balance >= 1.0 and math.isfinite(cfg.balance)):
+        raise ValueError(
+            f"--balance is a threshold on max/mean owned atoms, >= 1 (e.g. 1.1); got {cfg.balance}"
+        )
     if cfg.pressure is not None:
         if cfg.storage == "graph":
             raise ValueError("--pressure runs with --storage halo (graph storage keeps its cell fixed)")

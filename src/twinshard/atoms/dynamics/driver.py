@@ -227,6 +227,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     ``cfg.checkpoint`` it writes one every ``cfg.checkpoint_every`` steps and at the
     end (gathered on rank 0, atomic).
     """
+    from twinshard.atoms.parallel.balance import imbalance
     from twinshard.atoms.parallel.distributed import DistributedPotential
     from twinshard.atoms.parallel.sharded import ShardedSystem
     from twinshard.comm import CommLedger
@@ -299,10 +300,16 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         sharded = GraphSharded.scatter(system, 0, cutoff=float(potential.cutoff), skin=cfg.skin)
     else:
         sharded = ShardedSystem.scatter(
-            system, 0, cutoff=float(potential.cutoff), skin=cfg.skin, partition=cfg.partition
+            system,
+            0,
+            cutoff=float(potential.cutoff),
+            skin=cfg.skin,
+            partition=cfg.partition,
+            balance=cfg.balance,
         )
     dp = DistributedPotential(potential, mode=potential_mode(potential))  # MACE: through the dispatch
     halo0 = sharded.n_halo
+    owned0 = sharded.n_owned
     shell = ghost_shell_estimate(
         sharded.n_total,
         sharded.cell,
@@ -369,6 +376,8 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
                 float(rss.peak_bytes),
                 float(rss.start_bytes),
                 float(rss.reset),
+                float(owned0),
+                float(sharded.n_halo),
             ]
         ],
         dtype=torch.float64,
@@ -404,6 +413,12 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         "rebuilds": int(sharded.builds),
         "halo_atoms_per_rank": [int(v) for v in stats[:, 0].tolist()],
         "owned_atoms_per_rank": [int(v) for v in stats[:, 4].tolist()],
+        "owned_atoms_per_rank_start": [int(v) for v in stats[:, 8].tolist()],
+        "halo_atoms_per_rank_final": [int(v) for v in stats[:, 9].tolist()],
+        "imbalance_start": imbalance(stats[:, 8].to(torch.int64)),
+        "imbalance_final": imbalance(stats[:, 4].to(torch.int64)),
+        "balance": cfg.balance,
+        "rebalances": int(getattr(sharded, "rebalances", 0)),
         "ghost_shell_estimate": shell,
         # a block partition has no rank grid (the shell estimate then assumes P slabs)
         "rank_grid": list(sharded.partition.grid) if hasattr(sharded.partition, "grid") else None,

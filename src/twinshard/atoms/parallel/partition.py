@@ -5,8 +5,12 @@ Two partitioners share one small interface (``owner_of``, ``frame_center``,
 sharded system (:mod:`twinshard.atoms.parallel.sharded`):
 
 - :class:`SpatialPartition` splits the cell into ``g0 x g1 x g2`` slabs of
-  equal *fractional* width, so triclinic cells work unchanged. The rank grid
-  is chosen to minimise the halo-carrying subdomain surface. Periodic axes
+  equal *fractional* width, so triclinic cells work unchanged, or, balanced
+  (:mod:`twinshard.atoms.parallel.balance`), into boxes whose cut planes sit
+  where the atoms are. Given the positions, the rank grid is chosen among those
+  whose max / mean owned atoms is within 10% of the best grid's, then by the
+  halo atoms (density-weighted), then by the least halo-carrying subdomain
+  surface. Periodic axes
   wrap (the last domain borders the first; with one rank along an axis a rank
   borders itself); along open axes the outer domains extend to infinity.
 - :class:`BlockPartition` gives each rank a contiguous range of global ids;
@@ -30,12 +34,13 @@ periodic axis, fractional coordinates are mapped into
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from twinshard.atoms.data.cells import cell_problem, complete_cell, is_singular
+from twinshard.atoms.parallel.balance import Cuts, balanced_cuts, cut_widths, imbalance, slab_coords
 
 __all__ = [
     "PartitionError",
@@ -113,15 +118,22 @@ def ghost_fraction(
     return frac - 1.0 / math.prod(grid)
 
 
+GRID_TOLERANCE = 1.1  # automatic grid: within this factor of the best grid's imbalance, then halo
+SCORE_SAMPLE = 20_000  # atoms the automatic grid's score is computed on (an even sample)
+
+
 @dataclass(frozen=True)
 class SpatialPartition:
-    """Equal fractional slabs on a ``grid = (g0, g1, g2)`` of ranks.
+    """Fractional boxes on a ``grid = (g0, g1, g2)`` of ranks.
 
     Rank ``r`` has grid coordinates ``(i, j, k)`` with ``r = (i * g1 + j) * g2 + k``
-    and owns the fractional region ``[i/g0, (i+1)/g0) x ...``; along an open axis
-    the first and last slab extend to -inf / +inf.
+    and owns the fractional region ``[i/g0, (i+1)/g0) x ...`` (equal slabs, ``cuts is
+    None``), or with balanced ``cuts`` (:mod:`twinshard.atoms.parallel.balance`) the box
+    ``[X_i, X_i+1) x [Y_ij, Y_ij+1) x [Z_ijk, Z_ijk+1)`` of its jagged cut planes; along an
+    open axis the first and last slab extend to -inf / +inf.
 
-    Build it with :meth:`build`, which also checks the ghost width.
+    Build it with :meth:`build`, which also checks the ghost width; :meth:`rebalance` moves
+    the cuts (same grid) from histograms summed over the ranks.
     """
 
     cell: torch.Tensor
@@ -129,6 +141,7 @@ class SpatialPartition:
     grid: tuple[int, int, int]
     origin: torch.Tensor
     ghost_width: float
+    cuts: Cuts | None = None
 
     @property
     def nranks(self) -> int:
@@ -142,6 +155,7 @@ class SpatialPartition:
         ghost_width: float,
         grid: tuple[int, int, int] | None = None,
         positions: torch.Tensor | None = None,
+        balance: float | None = None,
     ) -> SpatialPartition:
         """Choose (or check) the rank grid for ``cell`` and return the partition.
 
@@ -152,11 +166,19 @@ class SpatialPartition:
             ghost_width: cutoff + skin (+ hysteresis); every cut axis must have
                 subdomains at least this thick, so halos come from adjacent
                 slabs only.
-            grid: force a rank grid; default: the factorisation of P with the
-                smallest halo-carrying surface among those that fit.
-            positions: needed only when the cell lacks rows (zero rows along open axes:
-                a molecule in vacuum, a slab's ``cell[2]``): each is replaced by the normal
-                to the other rows, spanning the atoms (a molecule: the box around them).
+            grid: force a rank grid; default: among the factorisations of P that fit,
+                with ``positions``, those whose max / mean owned atoms (equal slabs, or
+                balanced cuts with ``balance``) is within ``GRID_TOLERANCE`` of the best
+                grid's, of those the ones whose largest halo (atoms within the ghost width,
+                :meth:`work`) is within ``GRID_TOLERANCE`` of the least, and of those the
+                smallest halo-carrying surface (without ``positions``: the smallest surface).
+            positions: the atoms (all of them): weigh the grid choice, and needed when the
+                cell lacks rows (zero rows along open axes: a molecule in vacuum, a slab's
+                ``cell[2]``): each is replaced by the normal to the other rows, spanning the
+                atoms (a molecule: the box around them).
+            balance: a threshold on max / mean owned atoms (>= 1): where the equal slabs of
+                the grid exceed it, the cut planes are balanced on ``positions``
+                (:func:`~twinshard.atoms.parallel.balance.balanced_cuts`); ``None``: equal slabs.
 
         Raises:
             PartitionError: names the axis, the slab and ghost widths, and how
@@ -200,6 +222,8 @@ class SpatialPartition:
                     )
             return None
 
+        if balance is not None and not (balance >= 1.0 and math.isfinite(balance)):
+            raise PartitionError(f"balance is a threshold on max/mean owned atoms, >= 1; got {balance}")
         if grid is not None:
             grid = tuple(int(g) for g in grid)
             if len(grid) != 3 or grid[0] * grid[1] * grid[2] != nranks or min(grid) < 1:
@@ -207,7 +231,8 @@ class SpatialPartition:
             msg = misfit(grid)
             if msg:
                 raise PartitionError(msg)
-            return SpatialPartition(cell, pbc_t, grid, origin, w)
+            part = SpatialPartition(cell, pbc_t, grid, origin, w)
+            return part if positions is None else part._weighed(positions, balance)[0]
         shapes = rank_grid_shapes(nranks)
         fitting = [g for g in shapes if misfit(g) is None]
         if not fitting:
@@ -219,8 +244,69 @@ class SpatialPartition:
                 f"{per_axis[0] * per_axis[1] * per_axis[2]} ranks, as a grid within those); use "
                 "fewer ranks, a smaller cutoff or skin, or a bigger box"
             )
-        best = min(fitting, key=lambda g: ghost_fraction(heights.tolist(), g, w, pbc_t))
-        return SpatialPartition(cell, pbc_t, best, origin, w)
+        surface = {g: ghost_fraction(heights.tolist(), g, w, pbc_t) for g in fitting}
+        if positions is None or torch.as_tensor(positions).shape[0] == 0:
+            return SpatialPartition(cell, pbc_t, min(fitting, key=surface.__getitem__), origin, w)
+        # weigh where the atoms are: a grid that leaves ranks empty (a slab cut along its vacuum)
+        # loses to one that spreads the owned atoms; among those, the least halo atoms on the
+        # busiest rank (density-weighted), then the least box surface (as without positions)
+        weighed = [SpatialPartition(cell, pbc_t, g, origin, w)._weighed(positions, balance) for g in fitting]
+        best = min(v[1] for v in weighed)
+        even = [v for v in weighed if v[1] <= GRID_TOLERANCE * best]
+        least = min(v[2] for v in even)
+        ok = [v[0] for v in even if v[2] <= GRID_TOLERANCE * least + 1]
+        return min(ok, key=lambda p: surface[p.grid])
+
+    def _weighed(
+        self, positions: torch.Tensor, balance: float | None
+    ) -> tuple[SpatialPartition, float, float]:
+        """This grid with equal slabs, or balanced cuts where those exceed ``balance``; its
+        max / mean owned atoms and the most halo atoms of a rank (:meth:`work` - owned), on an
+        even sample of at most ``SCORE_SAMPLE`` of ``positions``."""
+        frac = self.fractional(torch.as_tensor(positions, device="cpu"))
+        part = self
+        if balance is not None and self.nranks > 1 and self.imbalance(frac) > balance:
+            part = self.rebalance(frac)
+        sample = frac[:: max(1, frac.shape[0] // SCORE_SAMPLE)]
+        owned = torch.bincount(part.owner_of(sample), minlength=self.nranks)
+        return part, imbalance(owned), float((part.work(sample) - owned).max())
+
+    def work(self, frac: torch.Tensor) -> torch.Tensor:
+        """``[P]`` atoms each rank holds, owned + halo (atoms within the ghost width of its box
+        along its split axes, each atom once, periodic images not counted twice): the estimate
+        that weighs the automatic grid. ``frac``: all atoms (or an even sample of them)."""
+        f = frac.detach().to("cpu", torch.float64)
+        boxes = torch.stack([torch.stack(self.region(r), 1) for r in range(self.nranks)])  # [P, 3, 2]
+        margin = (self.ghost_width / self.heights()).tolist()
+        inside = torch.ones(self.nranks, f.shape[0], dtype=torch.bool)
+        for a in range(3):
+            if self.grid[a] == 1:
+                continue
+            lo, hi = boxes[:, a, 0:1], boxes[:, a, 1:2]  # [P, 1]
+            x = f[None, :, a]
+            if self.pbc[a]:
+                d = (x - lo) - torch.floor(x - lo)  # distance past lo, mod 1
+                inside &= (d < hi - lo + margin[a]) | (d > 1.0 - margin[a])
+            else:
+                inside &= (x >= lo - margin[a]) & (x < hi + margin[a])
+        return inside.sum(1)
+
+    def imbalance(self, frac: torch.Tensor) -> float:
+        """``max / mean`` owned atoms per rank of the atoms at ``frac`` (all of them)."""
+        owners = self.owner_of(frac)
+        return imbalance(torch.bincount(owners, minlength=self.nranks))
+
+    def rebalance(
+        self, frac: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> SpatialPartition:
+        """The same grid with cut planes that balance the atoms at ``frac``
+        (:func:`~twinshard.atoms.parallel.balance.balanced_cuts`). ``frac``: all atoms
+        (``reduce=None``), or this rank's owned atoms with ``reduce`` an all_reduce (sum) of
+        int64 histograms: collective then, one call per split axis; every rank gets the same
+        cuts. Every slab along a split axis keeps at least the ghost width."""
+        margin = (self.ghost_width / self.heights()).tolist()
+        cuts = balanced_cuts(frac, self.grid, self.pbc, margin, reduce)
+        return replace(self, cuts=cuts)
 
     def with_cell(self, cell: torch.Tensor) -> SpatialPartition:
         """The same rank grid on a new cell (a barostat's): the slabs keep their fractional
@@ -229,12 +315,27 @@ class SpatialPartition:
         if not all(self.pbc):
             raise PartitionError("a partition follows a changing cell only when periodic along all axes")
         try:
-            return SpatialPartition.build(cell, self.pbc, self.nranks, self.ghost_width, grid=self.grid)
+            part = SpatialPartition.build(cell, self.pbc, self.nranks, self.ghost_width, grid=self.grid)
+            part = replace(part, cuts=self.cuts)
+            part.check_cuts()
+            return part
         except PartitionError as exc:
             raise PartitionError(
                 f"the cell shrank below what the rank grid needs: {exc}; use fewer ranks or a "
                 "larger system for this pressure"
             ) from None
+
+    def check_cuts(self) -> None:
+        """Raise :class:`PartitionError` if a balanced slab is thinner than the ghost width."""
+        if self.cuts is None:
+            return
+        h = self.heights()
+        for a, width in cut_widths(self.cuts, self.pbc):
+            if width * float(h[a]) < self.ghost_width * (1 - 1e-9):
+                raise PartitionError(
+                    f"a balanced slab along axis {a} is {width * float(h[a]):.4g} thick, thinner "
+                    f"than the ghost width {self.ghost_width:.4g} (cutoff + skin)"
+                )
 
     # --- geometry -------------------------------------------------------
     def heights(self) -> torch.Tensor:
@@ -262,8 +363,7 @@ class SpatialPartition:
         lo = torch.empty(3, dtype=torch.float64, device="cpu")
         hi = torch.empty(3, dtype=torch.float64, device="cpu")
         for a in range(3):
-            lo[a] = c[a] / self.grid[a]
-            hi[a] = (c[a] + 1) / self.grid[a]
+            lo[a], hi[a] = self._interval(c, a)
             if not self.pbc[a]:
                 if c[a] == 0:
                     lo[a] = -math.inf
@@ -271,15 +371,29 @@ class SpatialPartition:
                     hi[a] = math.inf
         return lo, hi
 
+    def _interval(self, c: tuple[int, int, int], a: int) -> tuple[float, float]:
+        """Fractional ``[lo, hi)`` of the slab at grid coordinates ``c`` along axis ``a``
+        (finite: the open ends are applied by :meth:`region`)."""
+        if self.cuts is None:
+            return c[a] / self.grid[a], (c[a] + 1) / self.grid[a]
+        group = (0, c[0], c[0] * self.grid[1] + c[1])[a]
+        e = self.cuts[a][group]
+        return e[c[a]], e[c[a] + 1]
+
     def frame_center(self, rank: int) -> torch.Tensor:
         """Centre of rank's frame per axis: the slab midpoint (periodic axes only matter)."""
         c = self.coords_of(rank)
+        if self.cuts is not None:
+            mid = [sum(self._interval(c, a)) / 2 for a in range(3)]
+            return torch.tensor(mid, dtype=torch.float64, device="cpu")
         return torch.tensor(
             [(c[a] + 0.5) / self.grid[a] for a in range(3)], dtype=torch.float64, device="cpu"
         )
 
     def slab_index(self, frac: torch.Tensor) -> torch.Tensor:
         """Grid coordinates ``[n, 3]`` of the slab holding each (unwrapped) fractional point."""
+        if self.cuts is not None:
+            return slab_coords(frac, self.grid, self.pbc, self.cuts).to(frac.device)
         f = frac.clone()
         for a in range(3):
             if self.pbc[a]:
@@ -313,9 +427,18 @@ class SpatialPartition:
         keep = torch.ones(frac.shape[0], dtype=torch.bool, device=frac.device)
         g = torch.tensor(self.grid, dtype=torch.int64, device=frac.device)
         cc = torch.stack([current // (g1 * g2), (current // g2) % g1, current % g2], dim=1)
+        if self.cuts is not None:  # each rank's box from its cuts
+            box = torch.tensor(
+                [[self._interval(self.coords_of(r), a) for a in range(3)] for r in range(self.nranks)],
+                dtype=torch.float64,
+                device=frac.device,
+            )  # [P, 3, 2]
         for a in range(3):
-            lo = cc[:, a].to(torch.float64) / self.grid[a]
-            hi = (cc[:, a] + 1).to(torch.float64) / self.grid[a]
+            if self.cuts is None:
+                lo = cc[:, a].to(torch.float64) / self.grid[a]
+                hi = (cc[:, a] + 1).to(torch.float64) / self.grid[a]
+            else:
+                lo, hi = box[current, a, 0], box[current, a, 1]
             f = frac[:, a]
             if self.pbc[a]:
                 centre = (lo + hi) / 2

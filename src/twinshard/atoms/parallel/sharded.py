@@ -47,6 +47,7 @@ import torch.distributed as dist
 from twinshard.atoms.data.neighbors import Edges, RadiusGraph, lex_positive, neighbor_list
 from twinshard.atoms.data.system import System
 from twinshard.atoms.dynamics import sanity
+from twinshard.atoms.parallel.balance import imbalance
 from twinshard.atoms.parallel.halo import HaloPlan
 from twinshard.atoms.parallel.partition import BlockPartition, SpatialPartition
 from twinshard.atoms.potentials.base import Graph
@@ -121,6 +122,9 @@ class ShardedSystem:
         self.hysteresis = 0.0
         self.migrations = 0
         self.builds = 0
+        self.balance: float | None = None  # rebalance threshold on max/mean owned atoms
+        self.rebalances = 0  # cut-plane moves after scatter
+        self.load = 1.0  # max/mean owned atoms at the last update's agreement
         self.plan: HaloPlan | None = None
         self._edges: Edges | None = None
         self._half: Edges | None = None
@@ -147,6 +151,7 @@ class ShardedSystem:
         grid: tuple[int, int, int] | None = None,
         group: dist.ProcessGroup | None = None,
         dtype: torch.dtype | None = None,
+        balance: float | None = None,
     ) -> ShardedSystem:
         """Collective: distribute the system held by rank ``src`` over the group.
 
@@ -159,8 +164,14 @@ class ShardedSystem:
                 distance outside the owner's slab (default ``skin / 4``).
             partition: ``"spatial"`` (3-D slabs, default) or ``"block"``
                 (contiguous ids, no migration).
-            grid: force the 3-D rank grid of a spatial partition.
+            grid: force the 3-D rank grid of a spatial partition (default: chosen where
+                the atoms are, see :meth:`SpatialPartition.build`).
             dtype: cast float fields to this dtype (default: keep the source's).
+            balance: load balance (spatial partition): a threshold on the imbalance, max /
+                mean owned atoms per rank (>= 1, e.g. 1.1). At scatter, and at every rebuild
+                of :meth:`update` where the imbalance exceeds it, the cut planes move to
+                balance the counts (:meth:`SpatialPartition.rebalance`, from histograms summed
+                over the ranks) and atoms migrate to their new owners. ``None``: equal slabs.
 
         Collectives: a fail-together step, 3 broadcasts (header length, header,
         counts), one all_to_all per field, then the plan build (see ``update``).
@@ -179,13 +190,14 @@ class ShardedSystem:
         self.group, self.rank, self.nranks = group, me, nranks
         self.device = dev = require_world("ShardedSystem.scatter").device
         self.cutoff, self.skin, self.hysteresis = float(cutoff), float(skin), hyst
+        self.balance = None if balance is None else float(balance)
         system: System | None = None
         payload = b""
         with agree_step("scatter: read, validate and partition the system", group):
             if me == src:
                 system = _as_system(source, dtype)
                 _check_ids(system.ids)
-                part = _make_partition(system, partition, nranks, cutoff + skin, grid)
+                part = _make_partition(system, partition, nranks, cutoff + skin, grid, self.balance)
                 schema = [(k, getattr(system, k).dtype, tuple(getattr(system, k).shape[1:])) for k in _CORE]
                 schema += [
                     (f"arrays.{k}", v.dtype, tuple(v.shape[1:])) for k, v in sorted(system.arrays.items())
@@ -363,9 +375,10 @@ class ShardedSystem:
         assert self._ref is not None
         limit = self.cutoff + self.skin
         row = sanity.position_report(self.positions, self._ref, self.ids, limit)
-        stats = torch.cat([row, row.new_tensor([float(bool(force))])])[None]
+        stats = torch.cat([row, row.new_tensor([float(bool(force)), float(self.n_owned)])])[None]
         allstats = prim.all_gather(stats, 0, self.group, op="update").cpu()
-        return sanity.check_positions(allstats[:, :-1], limit), bool((allstats[:, -1] > 0).any())
+        self.load = imbalance(allstats[:, -1].to(torch.int64))  # replicated: the same rows everywhere
+        return sanity.check_positions(allstats[:, :-2], limit), bool((allstats[:, -2] > 0).any())
 
     def set_cell(self, cell: torch.Tensor) -> None:
         """Replicated, no communication: a barostat's new cell (every rank passes the same one).
@@ -405,10 +418,29 @@ class ShardedSystem:
         disp, forced = self._agree_update(force or self._cell_changed)
         if disp > 0.5 * self.skin or forced:
             self._cell_changed = False
+            self._rebalance()
             self._migrate()
             self._build()
             return True
         return False
+
+    def _rebalance(self) -> None:
+        """Move the cut planes when the agreed imbalance (``self.load``, max / mean owned atoms,
+        replicated) exceeds ``self.balance``: each rank bins its owned atoms, the histograms are
+        summed over the ranks (one all_reduce per split axis), every rank computes the same cuts;
+        the migration that follows moves the atoms. A replicated decision: every rank or none."""
+        part = self.partition
+        if self.balance is None or not isinstance(part, SpatialPartition) or self.nranks == 1:
+            return
+        if self.load <= self.balance:
+            return
+        dev = self.device
+
+        def reduce(hist: torch.Tensor) -> torch.Tensor:
+            return prim.all_reduce(hist.to(dev), self.group, op="balance").cpu()
+
+        self.partition = part.rebalance(part.fractional(self.positions.detach().cpu()), reduce)
+        self.rebalances += 1
 
     def _migrate(self) -> None:
         part = self.partition
@@ -576,14 +608,21 @@ def _check_ids(ids: torch.Tensor) -> None:
 
 
 def _make_partition(
-    system: System, kind: str, nranks: int, width: float, grid: tuple[int, int, int] | None
+    system: System,
+    kind: str,
+    nranks: int,
+    width: float,
+    grid: tuple[int, int, int] | None,
+    balance: float | None = None,
 ) -> SpatialPartition | BlockPartition:
     pbc = tuple(bool(p) for p in system.pbc.tolist())
     cell = system.cell.detach().to(torch.float64)
     if kind == "spatial":
         return SpatialPartition.build(
-            cell, pbc, nranks, width, grid=grid, positions=system.positions.detach()
+            cell, pbc, nranks, width, grid=grid, positions=system.positions.detach(), balance=balance
         )
+    if balance is not None:
+        raise ValueError(f"balance= applies to the spatial partition, not {kind!r}")
     if kind == "block":
         return BlockPartition.build(cell, pbc, nranks, width, natoms=system.n_atoms)
     raise ValueError(f"unknown partition {kind!r}; choose 'spatial' or 'block'")
