@@ -194,3 +194,20 @@ def test_ranks_that_disagree_on_recycling_raise():
     errors = run_on_grid(_disagree, (2, 2))
     assert all(e is not None and "recycling_steps" in e for e in errors), errors
     assert len({e.split("rank")[0] for e in errors}) == 1, errors
+
+
+def _one_rank_negative(grid):
+    twin = build(CPBoltz2Trunk, 0.0)
+    fd = distribute(features(dict(n=9, msa=3, templates=1)), grid)
+    try:
+        twin(fd, recycling_steps=-1 if grid.rank == 2 else 0)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def test_a_bad_recycling_count_on_one_rank_raises_on_every_rank():
+    errors = run_on_grid(_one_rank_negative, (2, 2))
+    assert all(e is not None and "recycling_steps must be an integer >= 0, got -1" in e for e in errors), (
+        errors
+    )

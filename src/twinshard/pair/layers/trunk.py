@@ -38,7 +38,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from twinshard.pair.layers.tokenwise import pointwise
-from twinshard.pair.reference.trunk import Boltz2Trunk, TrunkParts
+from twinshard.pair.reference.trunk import Boltz2Trunk, TrunkParts, recycling_error
 from twinshard.runtime.agree import agree_scalars, raise_together
 
 __all__ = ["CPBoltz2Trunk", "cp_parts"]
@@ -91,17 +91,18 @@ class CPBoltz2Trunk(Boltz2Trunk):
                 raise KeyError(f"CPBoltz2Trunk: feats has no {k!r}: pass the ShardedFeatures of distribute")
         return feats["token_pad_mask"], feats["pair_mask"]
 
-    def check_features(self, feats: Mapping[str, Any]) -> None:
-        """Every feature this configuration reads (``trunk_feature_names(config)``) must be a
-        distributed tensor of ``feats``; the missing ones are named, on every rank together (one
-        status exchange). Their values were checked by ``distribute`` (the feature contract, on
-        the rank(s) holding the data); the atom window by the atom encoder."""
+    def check_features(self, feats: Mapping[str, Any], recycling_steps: int, seed: int | None) -> None:
+        """The recycling count must be valid and every feature this configuration reads
+        (``trunk_feature_names(config)``) a distributed tensor of ``feats``; what is wrong is
+        raised on every rank together (one status exchange), so a rank given a bad count never
+        leaves the others waiting. The features' values were checked by ``distribute`` (the
+        feature contract, on the rank(s) holding the data); the atom window by the atom encoder."""
         from twinshard.pair.feature_contract import trunk_feature_names
 
         need = trunk_feature_names(self.config)
         missing = [k for k in need if not isinstance(feats.get(k), DTensor)]
-        err = None
-        if missing:
+        err = recycling_error(recycling_steps, seed)
+        if err is None and missing:
             plain = [k for k in missing if k in feats]
             err = ValueError(
                 f"feature {missing[0]!r}: is missing (the trunk reads it); all missing: {missing}"

@@ -191,6 +191,16 @@ def build_trunk(trunk: nn.Module, parts: TrunkParts, cfg: TrunkConfig, conventio
     trunk.distogram_module = parts.distogram(tz, cfg.num_bins)
 
 
+def recycling_error(recycling_steps: Any, seed: int | None) -> ValueError | None:
+    """What is wrong with a recycling count, or None (an integer >= 0; < 64 with a dropout seed:
+    :func:`cycle_seed` keys 64 cycles per seed)."""
+    if not isinstance(recycling_steps, int) or isinstance(recycling_steps, bool) or recycling_steps < 0:
+        return ValueError(f"recycling_steps must be an integer >= 0, got {recycling_steps!r}")
+    if seed is not None and recycling_steps >= 64:
+        return ValueError("with a dropout seed, recycling_steps must be < 64 (cycle_seed keys 64 per seed)")
+    return None
+
+
 def cycle_seed(seed: int | None, cycle: int) -> int | None:
     """The dropout seed of recycling cycle ``cycle`` (fresh masks every cycle, as Boltz's fresh
     ``torch.rand`` draws; counter-based, so the same on every grid). None stays None."""
@@ -237,12 +247,16 @@ class Boltz2Trunk(nn.Module):
     def control_scalars(self, feats: Mapping[str, Any], recycling_steps: int, seed: int | None) -> None:
         """Serial: nothing to agree on (the twin checks these are equal on every rank)."""
 
-    def check_features(self, feats: Mapping[str, Any]) -> None:
-        """Serial: the whole feature contract (``feature_contract.check_features``) with every
-        feature this configuration reads (:func:`trunk_feature_names`) required and the atom
-        window of the configuration. Raises ``ValueError`` naming the feature."""
+    def check_features(self, feats: Mapping[str, Any], recycling_steps: int, seed: int | None) -> None:
+        """Serial: the recycling count (:func:`recycling_error`) and the whole feature contract
+        (``feature_contract.check_features``) with every feature this configuration reads
+        (:func:`trunk_feature_names`) required and the atom window of the configuration. Raises
+        ``ValueError`` naming what is wrong."""
         from twinshard.pair.feature_contract import check_features, trunk_feature_names
 
+        err = recycling_error(recycling_steps, seed)
+        if err is not None:
+            raise err
         check_features(
             feats, need=trunk_feature_names(self.config), window=self.config.atoms_per_window_queries
         )
@@ -250,13 +264,7 @@ class Boltz2Trunk(nn.Module):
     def forward(
         self, feats: Mapping[str, torch.Tensor], recycling_steps: int = 0, seed: int | None = None
     ) -> dict[str, torch.Tensor]:
-        if int(recycling_steps) != recycling_steps or recycling_steps < 0:
-            raise ValueError(f"recycling_steps must be an integer >= 0, got {recycling_steps!r}")
-        if seed is not None and recycling_steps >= 64:
-            raise ValueError(
-                "with a dropout seed, recycling_steps must be < 64 (cycle_seed keys 64 per seed)"
-            )
-        self.check_features(feats)
+        self.check_features(feats, recycling_steps, seed)
         self.control_scalars(feats, recycling_steps, seed)
         s_inputs = self.input_embedder(feats)
         s_init, z_init = self.pair_init(s_inputs, feats)
