@@ -97,7 +97,13 @@ def model_config(confidence: bool = True) -> ModelConfig:
 
 
 def model_features(
-    n: int, batch: int = 1, seed: int = 0, msa: int = 3, templates: int = 1, atoms=(2, 6)
+    n: int,
+    batch: int = 1,
+    seed: int = 0,
+    msa: int = 3,
+    templates: int = 1,
+    atoms=(2, 6),
+    window: int = WINDOW,
 ) -> dict:
     feats = synthetic_complex(
         n,
@@ -107,7 +113,7 @@ def model_features(
         chains=3,
         batch=batch,
         seed=seed,
-        window=WINDOW,
+        window=window,
     )
     feats["frames_idx"] = frames_idx(feats)
     return feats
