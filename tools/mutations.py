@@ -1163,6 +1163,23 @@ MUTATIONS: list[Mutation] = [
         "x_cols = x_rows",
         ("tests/pair/test_confidence_cp.py::test_cp_confidence_matches_serial[2x2-B2-N11-m1]",),
     ),
+    # -- the whole Boltz-2 inference forward (issue 20)
+    M(
+        "model_confidence_sample_mispaired",
+        "confidence module given another sample's coordinates (multiplicity mispairing)",
+        "pair/reference/model.py",
+        'self.detached(result["sample_atom_coords"]),',
+        'self.detached(result["sample_atom_coords"]).roll(1, 0),',
+        ("tests/pair/test_model_cp.py::test_model_is_its_parts",),
+    ),
+    M(
+        "model_rel_pos_not_passed",
+        "diffusion conditioning given zeros for the relative position encoding",
+        "pair/reference/model.py",
+        'rel = out["relative_position_encoding"]',
+        'rel = torch.zeros_like(out["relative_position_encoding"])',
+        ("tests/pair/test_model_cp.py::test_model_is_its_parts",),
+    ),
 ]
 
 

@@ -114,3 +114,21 @@ def test_several_tokens_only_with_trunk():
     add_parser(parser.add_subparsers())
     with pytest.raises(ValueError, match="only with --op trunk"):
         bench_pair.run(parser.parse_args(["pair", "--op", "opm", "--tokens", "6,8"]))
+
+
+def test_bench_pair_predict_op(capsys):
+    """``--op predict``: the whole Boltz-2 inference forward (fp64, small widths) on 2x2 prints one
+    JSON object: per-rank peaks beside serial, the ratio, and the errors against serial at round-off."""
+    import json
+
+    from twinshard.cli import main
+
+    small = [a if a != "8" or TRUNK_SMALL[i - 1] != "--bins" else "64" for i, a in enumerate(TRUNK_SMALL)]
+    argv = ["bench", "pair", "--op", "predict", "--tokens", "10", "--grid", "2x2", "--json"]
+    assert main(argv + small + ["--diffusion-samples", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (run,) = out["runs"]
+    assert out["op"] == "predict" and run["grid"] == "2x2" and run["diffusion_samples"] == 2
+    assert len(run["peak_memory_bytes_per_rank"]) == 4 and run["peak_ratio_vs_serial_over_p"] > 0
+    for k, e in run["errors"].items():
+        assert e["max_abs"] <= 1e-11 * max(e["ref_scale"], 1.0), (k, e)

@@ -8,7 +8,7 @@ needs the ``boltz`` package (``.venv-boltz``, tests/interop/README.md).
   fix_sym_check, cyclic_pos_enc, bond_type_feature, the four embedder ``add_*`` flags, paired MSA
   feature, v2 Pairformer, ``TemplateV2Module``; the three atom-feature flags default False as in
   the release, each can be switched on), dropout 0 everywhere (Pairformer, MSA and its pair
-  stack, templates), no confidence/affinity heads, no validators; then every parameter (the
+  stack, templates), no affinity heads (the confidence module on request), no validators; then every parameter (the
   zero-initialised ones too, and the structure module's, which the trunk never reads) is
   overwritten with seeded ``shift + scale * N(0, 1)`` values, and the model is cast to ``dtype``.
 - :func:`boltz2_trunk` runs ``Boltz2.forward`` ITSELF (nothing re-implemented) in training mode,
@@ -116,6 +116,8 @@ def build_boltz2(
     pairwise_head_width: int = 4,
     pairwise_num_heads: int = 2,
     flags: Mapping[str, Any] | None = None,
+    confidence_model_args: Mapping[str, Any] | None = None,
+    diffusion_process_args: Mapping[str, Any] | None = None,
     scale: float = 0.3,
     shift: float = 0.05,
     dtype: torch.dtype = torch.float64,
@@ -126,6 +128,11 @@ def build_boltz2(
     ``{"use_atom_backbone_feat": True}``, ``{"use_templates_v2": False}``, or nested
     ``{"embedder_args": {"add_cyclic_flag": False}}``); ``atom_feature_dim`` follows the atom flags.
     Parameters: ``shift + scale * N(0, 1)``, seeded, then cast to ``dtype``.
+
+    ``confidence_model_args`` (Boltz2's keyword of that name) builds the confidence module too
+    (``confidence_prediction=True``; without it there is none); ``diffusion_process_args`` are the
+    sampler's (``AtomDiffusion``'s keywords, e.g. ``boltz predict``'s Boltz-2 parameters). Steering
+    is off (``steering_args`` with its three flags False: Boltz's sampler reads them).
     """
     cfg: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in RELEASED_BOLTZ2.items()}
     for key, value in (flags or {}).items():
@@ -186,9 +193,15 @@ def build_boltz2(
             "atom_decoder_heads": 1,
             "conditioning_transition_layers": 1,
         },
-        diffusion_process_args={},
+        diffusion_process_args=dict(diffusion_process_args or {}),
         diffusion_loss_args={},
-        confidence_prediction=False,
+        confidence_prediction=confidence_model_args is not None,
+        confidence_model_args=None if confidence_model_args is None else dict(confidence_model_args),
+        steering_args={
+            "fk_steering": False,
+            "physical_guidance_update": False,
+            "contact_guidance_update": False,
+        },
         validate_structure=False,
         atom_feature_dim=_atom_feature_dim(**atom_flags),
         atoms_per_window_queries=cfg["atoms_per_window_queries"],

@@ -66,8 +66,9 @@ from twinshard.runtime import get_world, make_grid, reports, run_ranks
 
 __all__ = ["OPS", "add_parser", "bench_rank", "measure", "parse_grid", "run"]
 
-# the trunk ops: twinshard.bench.pair_ops; "trunk": the whole Boltz-2 trunk (bench.whole_trunk)
-OPS = ("trimul-out", "trimul-in", "opm") + TRUNK_OPS + ("trunk",)
+# the trunk ops: twinshard.bench.pair_ops; "trunk": the whole Boltz-2 trunk (bench.whole_trunk);
+# "predict": the whole Boltz-2 inference forward (bench.predict_bench)
+OPS = ("trimul-out", "trimul-in", "opm") + TRUNK_OPS + ("trunk", "predict")
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -128,6 +129,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from twinshard.bench.whole_trunk import add_trunk_options
 
     add_trunk_options(p, skip=("--msa",))  # --op trunk: the MSA depth is --sequences
+    p.add_argument("--sampling-steps", type=int, default=3, help="--op predict: denoising steps")
+    p.add_argument("--diffusion-samples", type=int, default=1, help="--op predict: samples per element")
     p.set_defaults(func=run)
     return p
 
@@ -489,8 +492,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from twinshard.bench.trunk_bench import run_trunk_bench
 
         return run_trunk_bench(args, shapes, tokens)
+    if args.op == "predict":
+        from twinshard.bench.predict_bench import run_predict_bench
+
+        return run_predict_bench(args, shapes, tokens)
     if len(tokens) != 1:
-        raise ValueError(f"several --tokens values ({tokens}) only with --op trunk")
+        raise ValueError(f"several --tokens values ({tokens}) only with --op trunk or predict")
     args.tokens = tokens[0]
     if args.tokens < 1 or args.sequences < 1 or args.batch < 1:
         raise ValueError("tokens, sequences and batch must be positive")

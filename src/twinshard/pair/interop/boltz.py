@@ -30,6 +30,7 @@ boltz                                                   twin
 ``modules.trunkv2.TemplateV2Module`` / ``TemplateModule``  ``CPTemplateV2Module`` / ``CPTemplateModule``
 ``modules.trunkv2.DistogramModule``                     ``CPDistogramHead``
 ``models.boltz2.Boltz2`` (its trunk)                    ``CPBoltz2Trunk`` (:func:`cp_trunk_of`)
+``models.boltz2.Boltz2`` (whole, inference)             ``CPBoltz2Model`` (:func:`cp_model_of`)
 ======================================================  =========================================
 
 The twins' dropout follows Boltz's convention (``convention="boltz"``: row-wise masks
@@ -55,7 +56,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["SUPPORTED", "boltz_modules", "cp_trunk_of", "cp_twin_of", "twin_config"]
+__all__ = ["SUPPORTED", "boltz_modules", "cp_model_of", "cp_trunk_of", "cp_twin_of", "twin_config"]
 
 SUPPORTED = (
     "TriangleMultiplicationOutgoing",
@@ -470,14 +471,16 @@ DROPOUT_KINDS = (
 LONE_LAYERS = ("PairformerLayer", "PairformerNoSeqLayer", "MSALayer")
 
 
-def cp_twin_of(module: nn.Module, convention: str = "boltz") -> nn.Module:
+def cp_twin_of(module: nn.Module, convention: str = "boltz", whole: bool = False) -> nn.Module:
     """The CP twin of a boltz module with its ``state_dict`` loaded unchanged (strict), in the
     module's dtype, on its device, in its training mode. ``convention`` picks the twin's dropout
     masks (Pairformer layer and stack only; Boltz's own by default). A lone layer's dropout
     sites get the streams ``assign_dropout_streams`` gives the serial ``PairformerLayer``; a
-    stack's are assigned by the stack from the sites' qualified names, as in serial."""
+    stack's are assigned by the stack from the sites' qualified names, as in serial. A whole
+    ``Boltz2`` model gives its trunk (:func:`cp_trunk_of`), or with ``whole=True`` the whole
+    inference model (:func:`cp_model_of`)."""
     if _is_boltz2(module):
-        return cp_trunk_of(module, convention)
+        return cp_model_of(module, convention) if whole else cp_trunk_of(module, convention)
     kind, cfg = twin_config(module)
     if kind in DROPOUT_KINDS:
         cfg["convention"] = convention
@@ -773,3 +776,31 @@ def _confidence_config(module: nn.Module) -> dict[str, Any]:
             conditioning_cutoff_max=float(module.contact_conditioning.cutoff_max),
         )
     return cfg
+
+
+# -- the whole Boltz-2 model, inference (issue 20) -------------------------------------------------
+
+
+def cp_model_of(model: nn.Module, convention: str = "boltz") -> nn.Module:
+    """The CP Boltz-2 model (``twinshard.pair.layers.model.CPBoltz2Model``: trunk, diffusion
+    conditioning, sampler, distogram, confidence) of a boltz ``Boltz2`` model: its settings from
+    the model's ``hparams`` (``ModelConfig.from_hparams``, which raises ``NotImplementedError`` for
+    what it does not support: affinity, B-factors, compiled modules, ``skip_run_structure``), the
+    WHOLE ``state_dict`` loaded unchanged and strict, in the model's dtype, on its device, in its
+    training mode; the parameter names and their order are checked equal to the model's."""
+    from twinshard.pair.layers.model import CPBoltz2Model
+    from twinshard.pair.reference.model import ModelConfig
+
+    if not _is_boltz2(model):
+        raise TypeError(f"cp_model_of takes a boltz Boltz2 model, got {type(model).__qualname__}")
+    twin = CPBoltz2Model(ModelConfig.from_hparams(model.hparams), convention=convention)
+    ref = next(iter(model.parameters()), None)
+    if ref is not None:
+        twin = twin.to(device=ref.device, dtype=ref.dtype)
+    twin.load_state_dict(model.state_dict(), strict=True)
+    ours = [n for n, _ in twin.named_parameters()]
+    theirs = [n for n, _ in model.named_parameters()]
+    if ours != theirs:
+        raise RuntimeError(f"CPBoltz2Model registers parameters {ours}, Boltz2 {theirs}")
+    twin.train(model.training)
+    return twin

@@ -229,17 +229,24 @@ def _add(a: DTensor, b: DTensor) -> DTensor:
 
 
 def cp_pair_init_forward(
-    module: nn.Module, s_inputs: DTensor, feats: Mapping[str, DTensor]
+    module: nn.Module,
+    s_inputs: DTensor,
+    feats: Mapping[str, DTensor],
+    keep: dict[str, DTensor] | None = None,
 ) -> tuple[DTensor, DTensor]:
     """``(s_init [single], z_init [pair])`` from the parts registered on ``module`` by
     ``add_pair_init(..., parts=CP_PAIR_INIT_PARTS)`` (as :class:`CPPairInit` does): Boltz-2's
-    additions in Boltz-2's order."""
+    additions in Boltz-2's order. ``keep`` receives the relative position encoding (a pair
+    DTensor with the layout) as ``"relative_position_encoding"``."""
     keys = ("token_bonds",) + (("type_bonds",) if module.bond_type_feature else ())
     layout, _ = feature_layout(feats, keys, "pair init")
     check_placements(s_inputs, SINGLE, "pair init s_inputs", ndim=3)
     s_init = module.s_init(s_inputs)
     z = cp_outer_sum(module.z_init_1, module.z_init_2, s_inputs, layout)
-    z = _add(z, module.rel_pos(feats))
+    rel = module.rel_pos(feats)
+    if keep is not None:
+        keep["relative_position_encoding"] = rel
+    z = _add(z, rel)
     bonds = feats["token_bonds"]
     bonds = from_local(bonds.to_local().to(module.token_bonds.weight.dtype), bonds.device_mesh, PAIR)
     z = _add(z, module.token_bonds(bonds))

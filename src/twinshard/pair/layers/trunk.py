@@ -78,10 +78,12 @@ class CPBoltz2Trunk(Boltz2Trunk):
     def add(self, a: DTensor, b: DTensor) -> DTensor:
         return pointwise(lambda x, y: x + y, a, b)
 
-    def pair_init(self, s_inputs: DTensor, feats: Mapping[str, DTensor]) -> tuple[DTensor, DTensor]:
+    def pair_init(
+        self, s_inputs: DTensor, feats: Mapping[str, DTensor], keep: dict | None = None
+    ) -> tuple[DTensor, DTensor]:
         from twinshard.pair.layers.pair_init import cp_pair_init_forward
 
-        return cp_pair_init_forward(self, s_inputs, feats)
+        return cp_pair_init_forward(self, s_inputs, feats, keep)
 
     def masks(self, feats: Mapping[str, DTensor]) -> tuple[DTensor, DTensor]:
         """The token and pair masks ``distribute`` placed (``pair_mask`` is the outer product of

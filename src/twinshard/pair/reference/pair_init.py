@@ -255,14 +255,22 @@ def add_pair_init(
 
 
 def pair_init_forward(
-    module: nn.Module, s_inputs: torch.Tensor, feats: Mapping[str, torch.Tensor]
+    module: nn.Module,
+    s_inputs: torch.Tensor,
+    feats: Mapping[str, torch.Tensor],
+    keep: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s_init, z_init)`` from the parts :func:`add_pair_init` registered on ``module``, in
-    Boltz-2's order of additions (module docstring)."""
+    Boltz-2's order of additions (module docstring). ``keep``: a dict that receives the relative
+    position encoding as ``"relative_position_encoding"`` (Boltz2 hands it to the diffusion
+    conditioning)."""
     _need(feats, ("token_bonds",) + (("type_bonds",) if module.bond_type_feature else ()), "pair init")
     s_init = module.s_init(s_inputs)
     z_init = outer_sum(module.z_init_1, module.z_init_2, s_inputs, s_inputs)
-    z_init = z_init + module.rel_pos(feats)
+    rel = module.rel_pos(feats)
+    if keep is not None:
+        keep["relative_position_encoding"] = rel
+    z_init = z_init + rel
     bonds = feats["token_bonds"]
     z_init = z_init + module.token_bonds(bonds.to(module.token_bonds.weight.dtype))
     if module.bond_type_feature:

@@ -144,8 +144,12 @@ def serial_parts() -> TrunkParts:
     )
 
 
-def build_trunk(trunk: nn.Module, parts: TrunkParts, cfg: TrunkConfig, convention: str = "boltz") -> None:
-    """Register the trunk's modules on ``trunk`` with Boltz2's names, in Boltz2's order."""
+def build_trunk(
+    trunk: nn.Module, parts: TrunkParts, cfg: TrunkConfig, convention: str = "boltz", distogram: bool = True
+) -> None:
+    """Register the trunk's modules on ``trunk`` with Boltz2's names, in Boltz2's order.
+    ``distogram=False`` leaves ``distogram_module`` out (the whole model registers it after the
+    structure module, where Boltz2 does)."""
     from twinshard.pair.reference.pair_init import add_pair_init
 
     trunk.config = cfg
@@ -188,7 +192,8 @@ def build_trunk(trunk: nn.Module, parts: TrunkParts, cfg: TrunkConfig, conventio
             "a Boltz-1 Pairformer (pairformer_args v2=False) is not Boltz-2's trunk: use v2=True"
         )
     trunk.pairformer_module = parts.pairformer(ts, tz, **pairformer_args, convention=convention)
-    trunk.distogram_module = parts.distogram(tz, cfg.num_bins)
+    if distogram:
+        trunk.distogram_module = parts.distogram(tz, cfg.num_bins)
 
 
 def recycling_error(recycling_steps: Any, seed: int | None) -> ValueError | None:
@@ -231,12 +236,13 @@ class Boltz2Trunk(nn.Module):
         return a + b
 
     def pair_init(
-        self, s_inputs: torch.Tensor, feats: Mapping[str, torch.Tensor]
+        self, s_inputs: torch.Tensor, feats: Mapping[str, torch.Tensor], keep: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(s_init, z_init)`` (``pair_init.pair_init_forward``: Boltz2's additions in its order)."""
+        """``(s_init, z_init)`` (``pair_init.pair_init_forward``: Boltz2's additions in its order;
+        ``keep`` receives the relative position encoding)."""
         from twinshard.pair.reference.pair_init import pair_init_forward
 
-        return pair_init_forward(self, s_inputs, feats)
+        return pair_init_forward(self, s_inputs, feats, keep)
 
     def masks(self, feats: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mask [B, N], pair_mask [B, N, N])`` from ``token_pad_mask``, as Boltz2 forms them."""
@@ -264,10 +270,22 @@ class Boltz2Trunk(nn.Module):
     def forward(
         self, feats: Mapping[str, torch.Tensor], recycling_steps: int = 0, seed: int | None = None
     ) -> dict[str, torch.Tensor]:
+        return self.run_trunk(feats, recycling_steps, seed)
+
+    def run_trunk(
+        self,
+        feats: Mapping[str, torch.Tensor],
+        recycling_steps: int = 0,
+        seed: int | None = None,
+        keep_rel_pos: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """The trunk's forward; ``keep_rel_pos`` adds the relative position encoding it computed
+        (``"relative_position_encoding"``, the diffusion conditioning's input in Boltz2)."""
         self.check_features(feats, recycling_steps, seed)
         self.control_scalars(feats, recycling_steps, seed)
         s_inputs = self.input_embedder(feats)
-        s_init, z_init = self.pair_init(s_inputs, feats)
+        keep: dict[str, torch.Tensor] = {}
+        s_init, z_init = self.pair_init(s_inputs, feats, keep if keep_rel_pos else None)
         mask, pair_mask = self.masks(feats)
         s, z = torch.zeros_like(s_init), torch.zeros_like(z_init)
         grad = torch.is_grad_enabled()
@@ -280,4 +298,4 @@ class Boltz2Trunk(nn.Module):
                     z = self.add(z, self.template_module(z, feats, pair_mask, seed=step))
                 z = self.add(z, self.msa_module(z, s_inputs, feats, seed=step))
                 s, z = self.pairformer_module(s, z, mask, pair_mask, step)
-        return {"s_inputs": s_inputs, "s": s, "z": z, "pdistogram": self.distogram_module(z)}
+        return {"s_inputs": s_inputs, "s": s, "z": z, "pdistogram": self.distogram_module(z), **keep}
