@@ -1163,6 +1163,31 @@ MUTATIONS: list[Mutation] = [
         "x_cols = x_rows",
         ("tests/pair/test_confidence_cp.py::test_cp_confidence_matches_serial[2x2-B2-N11-m1]",),
     ),
+    # -- the prediction writer (issue 20 section 5)
+    M(
+        "writer_bfactor_not_percent",
+        "B-factors written as pLDDT in [0, 1] instead of x 100",
+        "pair/output.py",
+        "    return (100.0 * p).tolist()",
+        "    return p.tolist()",
+        ("tests/pair/test_output.py::test_structure_round_trip[0-cif]",),
+    ),
+    M(
+        "writer_rank_by_sample_order",
+        "models numbered in sample order instead of by confidence_score",
+        "pair/output.py",
+        "    rank = ranking(conf, samples)",
+        "    rank = list(range(samples))",
+        ("tests/pair/test_output.py::test_write_prediction_layout_and_confidence[cif]",),
+    ),
+    M(
+        "writer_arrays_padded",
+        "pLDDT/PAE/PDE arrays written with the padding tokens",
+        "pair/output.py",
+        "    real = torch.tensor(layout.real_token, dtype=torch.bool)",
+        "    real = torch.ones(len(layout.real_token), dtype=torch.bool)",
+        ("tests/pair/test_output.py::test_write_prediction_layout_and_confidence[cif]",),
+    ),
 ]
 
 
