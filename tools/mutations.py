@@ -1180,6 +1180,31 @@ MUTATIONS: list[Mutation] = [
         'rel = torch.zeros_like(out["relative_position_encoding"])',
         ("tests/pair/test_model_cp.py::test_model_is_its_parts",),
     ),
+    # -- the prediction writer (issue 20 section 5)
+    M(
+        "writer_bfactor_not_percent",
+        "B-factors written as pLDDT in [0, 1] instead of x 100",
+        "pair/output.py",
+        "    return (100.0 * p).tolist()",
+        "    return p.tolist()",
+        ("tests/pair/test_output.py::test_structure_round_trip[0-cif]",),
+    ),
+    M(
+        "writer_rank_by_sample_order",
+        "models numbered in sample order instead of by confidence_score",
+        "pair/output.py",
+        "    rank = ranking(conf, samples)",
+        "    rank = list(range(samples))",
+        ("tests/pair/test_output.py::test_write_prediction_layout_and_confidence[cif]",),
+    ),
+    M(
+        "writer_arrays_padded",
+        "pLDDT/PAE/PDE arrays written with the padding tokens",
+        "pair/output.py",
+        "    real = torch.tensor(layout.real_token, dtype=torch.bool)",
+        "    real = torch.ones(len(layout.real_token), dtype=torch.bool)",
+        ("tests/pair/test_output.py::test_write_prediction_layout_and_confidence[cif]",),
+    ),
 ]
 
 
