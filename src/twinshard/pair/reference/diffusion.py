@@ -38,7 +38,6 @@ False), as in Boltz.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +48,7 @@ from twinshard.pair.reference.atom_encoder import AtomAttentionEncoder, AtomEnco
 from twinshard.pair.reference.atom_transformer import AtomTransformer, DiffusionTransformer
 from twinshard.pair.reference.linear import Linear
 from twinshard.pair.reference.norm import LayerNorm
+from twinshard.pair.reference.pair_init import FourierEmbedding
 from twinshard.pair.reference.transition import Transition
 
 __all__ = [
@@ -69,21 +69,6 @@ def project_heads(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
 
 def _proj_list(depth: int, dim: int, heads: int) -> nn.ModuleList:
     return nn.ModuleList(nn.Sequential(LayerNorm(dim), Linear(dim, heads, bias=False)) for _ in range(depth))
-
-
-class FourierEmbedding(nn.Module):
-    """Algorithm 22: ``cos(2 pi (t w + b))`` with frozen random ``w, b`` (``proj``)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.proj = nn.Linear(1, dim)
-        nn.init.normal_(self.proj.weight, mean=0.0, std=1.0)
-        nn.init.normal_(self.proj.bias, mean=0.0, std=1.0)
-        self.proj.requires_grad_(False)
-
-    def forward(self, times: torch.Tensor) -> torch.Tensor:
-        """``times[B]`` -> ``[B, dim]``."""
-        return torch.cos(2 * math.pi * self.proj(times[:, None].to(self.proj.weight.dtype)))
 
 
 class SingleConditioning(nn.Module):

@@ -160,8 +160,8 @@ class FourierEmbedding(nn.Module):
         self.proj.requires_grad_(False)
 
     def forward(self, times: torch.Tensor) -> torch.Tensor:
-        """``times[b] -> [b, dim]``."""
-        return torch.cos(2 * math.pi * self.proj(times[:, None]))
+        """``times[b] -> [b, dim]`` (the contact thresholds' and the diffusion times' embedding)."""
+        return torch.cos(2 * math.pi * self.proj(times[:, None].to(self.proj.weight.dtype)))
 
 
 class ContactConditioning(nn.Module):
