@@ -1205,6 +1205,23 @@ MUTATIONS: list[Mutation] = [
         "    real = torch.ones(len(layout.real_token), dtype=torch.bool)",
         ("tests/pair/test_output.py::test_write_prediction_layout_and_confidence[cif]",),
     ),
+    # -- fp32 parameter-gradient accuracy (issue 21 section 1): invisible to fp64 parity
+    M(
+        "layer_norm_fused_param_grads",
+        "LayerNorm weight/bias gradients summed over the tokens in torch's sequential fp32 chain",
+        "pair/reference/norm.py",
+        "return layer_norm(x.to(ct), tuple(self.normalized_shape), w, b, self.eps).to(x.dtype)",
+        "return F.layer_norm(x.to(ct), self.normalized_shape, w, b, self.eps).to(x.dtype)",
+        ("tests/pair/test_fp32_param_grads.py",),
+    ),
+    M(
+        "sync_grad_bf16_on_wire",
+        "fp32 parameter gradients rounded to bf16 before their all-reduce (fp64 untouched)",
+        "comm/ops.py",
+        "flat = torch.cat([g.reshape(-1) for g in grads])  # unused parameters: zeros (materialised)",
+        "flat = torch.cat([g.reshape(-1) for g in grads]); flat = flat.to(torch.bfloat16) if flat.dtype == torch.float32 else flat",
+        ("tests/pair/test_fp32_param_grads.py",),
+    ),
 ]
 
 
