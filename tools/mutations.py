@@ -305,6 +305,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/atoms/test_nose_hoover.py",),
     ),
     M(
+        "batch_thermostat_swapped",
+        "state swapped",
+        "atoms/dynamics/batch.py",
+        "chain = self.integrators[s]",
+        "chain = self.integrators[chained[(chained.index(s) + 1) % len(chained)]]",
+        ("tests/atoms/test_batch_md.py",),
+    ),
+    M(
         "nhc_chain_not_in_checkpoint",
         "state dropped",
         "atoms/dynamics/integrators.py",

@@ -2,7 +2,7 @@
 
 twinshard demo                     the main job: every family on 4 local ranks vs serial
 twinshard md [STRUCTURE] ...       distributed MD (see ``twinshard md --help``)
-twinshard bench pair|atoms|migrate|balance|harness  benchmarks that print JSON (last stdout line)
+twinshard bench pair|atoms|migrate|balance|batch|harness  benchmarks that print JSON (last stdout line)
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from twinshard.cli.demo import DEMO_SECTIONS, run_demo  # noqa: F401  (re-export
 def build_parser() -> argparse.ArgumentParser:
     from twinshard.bench import atoms as bench_atoms
     from twinshard.bench import balance as bench_balance
+    from twinshard.bench import batch_md as bench_batch
     from twinshard.bench import migrate as bench_migrate
     from twinshard.bench import pair as bench_pair
     from twinshard.bench import trunk as bench_trunk
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_atoms.add_parser(bsub)
     bench_migrate.add_migrate_parser(bsub)
     bench_balance.add_balance_parser(bsub)
+    bench_batch.add_batch_parser(bsub)
     bench_pair.add_parser(bsub)
     harness.add_parser(bsub)
     return parser

@@ -27,6 +27,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _steps(text: str) -> int | list[int]:
+    """An argparse type: ``S`` or, with ``--batch``, ``S1,S2,...`` (one per system)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of steps (or N1,N2,... with --batch), got {text!r}"
+        ) from None
+    return values[0] if len(values) == 1 else values
+
+
 def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``md`` on a subparsers object (``twinshard md ...``)."""
     p = subparsers.add_parser(
@@ -87,7 +98,22 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=1,
         help="local ranks to spawn (ignored under torchrun, which sets the world)",
     )
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument(
+        "--steps",
+        type=_steps,
+        default=100,
+        help="steps of the run; with --batch one value for every system or N1,N2,... (a system with "
+        "fewer steps drops out while the others continue)",
+    )
+    p.add_argument(
+        "--batch",
+        default=None,
+        metavar="S1,S2,...",
+        help="MD on a batch of systems in one run (graph storage, plain models: --potential mpnn or "
+        "mace): structure files or embedded names, comma-separated; each system equals its run alone; "
+        "--thermo/--trajectory/--checkpoint then take a path holding {i} (the system's index), "
+        "--restart the checkpoints comma-separated",
+    )
     p.add_argument("--dt", type=float, default=2.0, help="time step in fs")
     p.add_argument(
         "--thermostat",
@@ -222,6 +248,14 @@ def run_md(args: argparse.Namespace) -> dict[str, Any]:
     cfg = config_from_args(args)
     if getattr(args, "ranks", 1) < 1:
         raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
+    if getattr(args, "batch", None) is not None:
+        from twinshard.cli.md_batch import run_batch
+
+        return run_batch(args, cfg)
+    if isinstance(cfg.steps, list):
+        raise ValueError(
+            "--steps N1,N2,... gives one value per system of a --batch; without it give one number"
+        )
     deadline = float(getattr(args, "timeout", 3600.0))
     # --ranks is ignored in a world (torchrun sets it): no option named
     result = run_ranks(md_rank, int(args.ranks), cfg, deadline=deadline)[0]

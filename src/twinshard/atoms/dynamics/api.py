@@ -171,25 +171,34 @@ def run_md(
     skin: float = 1.0,
     partition: str = "spatial",
     balance: float | None = None,
-    storage: str = "halo",
+    storage: str | None = None,
     trajectory: str | os.PathLike | None = None,
     trajectory_every: int = 10,
     thermo: str | os.PathLike | None = None,
     thermo_every: int = 10,
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int = 0,
-    restart: str | os.PathLike | None = None,
+    restart: str | os.PathLike | list | None = None,
     allow_changed_potential: bool = False,
     dtype: torch.dtype = torch.float64,
     progress: bool = False,
     timeout: float = 3600.0,
     max_temperature: float = MAX_TEMPERATURE,
     max_force: float = MAX_FORCE,
-) -> MDResult:
+) -> MDResult | list[MDResult]:
     """Run distributed MD of ``system`` with ``potential`` and return the final state.
 
+    A list of systems runs as one batch in graph storage and returns one :class:`MDResult` per
+    system, each equal to that system run alone (:mod:`twinshard.atoms.dynamics.batch_api`):
+    ``steps``, ``thermostat``, ``temperature``, ``friction``, ``seed``, ``tdamp``, ``chain``,
+    ``dt`` and ``initial_temperature`` may then be lists (one value per system; a system with fewer
+    steps drops out while the others continue), ``thermo`` / ``trajectory`` / ``checkpoint`` a path
+    holding ``{i}`` (the system's index) or a list of paths (one file per system, each in the
+    single-system format), ``restart`` the list of checkpoints a batch wrote.
+
     Args:
-        system: a :class:`System` or an ``ase.Atoms`` (``None`` with ``restart``).
+        system: a :class:`System` or an ``ase.Atoms`` (``None`` with ``restart``); or a list of
+            them (a batch; ``None`` with ``restart`` a list).
         potential: any module following the potential contract
             (:mod:`twinshard.atoms.potentials.base`): ``LennardJones(...)``,
             ``MessagePassingPotential(...)``, your own; or a plain dict-contract model
@@ -244,6 +253,48 @@ def run_md(
     from twinshard.atoms.parallel.plain_inputs import as_potential
     from twinshard.runtime import get_world, in_torchrun, init_world, shared_pool
 
+    if isinstance(system, (list, tuple)) or (system is None and isinstance(restart, (list, tuple))):
+        from twinshard.atoms.dynamics.batch_api import check_batch, run_md_batch
+
+        potential = as_potential(potential)
+        check_batch(system, potential)
+        opts = dict(
+            ranks=ranks,
+            steps=steps,
+            thermostat=thermostat,
+            dt=dt,
+            temperature=temperature,
+            friction=friction,
+            tdamp=tdamp,
+            chain=chain,
+            pressure=pressure,
+            seed=seed,
+            initial_temperature=initial_temperature,
+            skin=skin,
+            storage=storage,
+            trajectory=trajectory,
+            trajectory_every=max(1, int(trajectory_every)),
+            thermo=thermo,
+            thermo_every=max(1, int(thermo_every)),
+            checkpoint=checkpoint,
+            checkpoint_every=int(checkpoint_every),
+            restart=restart,
+            allow_changed_potential=bool(allow_changed_potential),
+            dtype=dtype,
+            timeout=timeout,
+            max_temperature=bound("max_temperature", max_temperature),
+            max_force=bound("max_force", max_force),
+        )
+        if balance is not None or partition != "spatial":
+            raise ValueError("a batch runs in graph storage, split by index: no partition= or balance=")
+
+        def one(kind: Any, **kw: Any) -> VelocityVerlet:
+            return _integrator(
+                kind, kw["dt"], kw["temperature"], kw["friction"], kw["seed"], kw["tdamp"], kw["chain"]
+            )
+
+        return run_md_batch(system, potential, opts, one)
+    storage = storage or "halo"
     if system is None and restart is None:
         raise ValueError("give a system (System or ase.Atoms), or restart=checkpoint file")
     potential = as_potential(potential)  # a bare MACE module: behind MaceAdapter
