@@ -80,8 +80,8 @@ def _level_index(f: torch.Tensor, edges: list[tuple[float, ...]], group: torch.T
     """Slab index along one axis: the number of inner edges of the atom's group that it passes."""
     g = len(edges[0]) - 1
     if g == 1:
-        return torch.zeros(f.shape[0], dtype=torch.int64)
-    inner = torch.tensor([e[1:-1] for e in edges], dtype=torch.float64)  # [groups, g - 1]
+        return torch.zeros(f.shape[0], dtype=torch.int64, device=f.device)
+    inner = torch.tensor([e[1:-1] for e in edges], dtype=torch.float64, device=f.device)  # [groups, g - 1]
     return (f[:, None] >= inner[group]).sum(1).to(torch.int64)
 
 
@@ -90,7 +90,7 @@ def slab_coords(frac: torch.Tensor, grid: Sequence[int], pbc: Sequence[bool], cu
     an open axis the outer slabs extend to infinity (points beyond the edges land there)."""
     f = _wrapped(frac, pbc)
     n = f.shape[0]
-    zero = torch.zeros(n, dtype=torch.int64)
+    zero = torch.zeros(n, dtype=torch.int64, device=f.device)
     i = _level_index(f[:, 0], list(cuts[0]), zero)
     j = _level_index(f[:, 1], list(cuts[1]), i)
     k = _level_index(f[:, 2], list(cuts[2]), i * int(grid[1]) + j)
@@ -200,7 +200,7 @@ def balanced_cuts(
     f = _wrapped(frac, pbc)  # the owners' coordinates (slab_coords's)
     fh = f.clamp(0.0, 1.0)  # histogram bins: beyond an open axis's span, its outer bins
     n = f.shape[0]
-    group = torch.zeros(n, dtype=torch.int64)
+    group = torch.zeros(n, dtype=torch.int64, device=f.device)
     levels: list[tuple[tuple[float, ...], ...]] = []
     n_groups = 1
     for a in range(3):

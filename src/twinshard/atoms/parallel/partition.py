@@ -278,7 +278,7 @@ class SpatialPartition:
         f = frac.detach().to("cpu", torch.float64)
         boxes = torch.stack([torch.stack(self.region(r), 1) for r in range(self.nranks)])  # [P, 3, 2]
         margin = (self.ghost_width / self.heights()).tolist()
-        inside = torch.ones(self.nranks, f.shape[0], dtype=torch.bool)
+        inside = torch.ones(self.nranks, f.shape[0], dtype=torch.bool, device=f.device)
         for a in range(3):
             if self.grid[a] == 1:
                 continue
