@@ -1205,6 +1205,23 @@ MUTATIONS: list[Mutation] = [
         "    real = torch.ones(len(layout.real_token), dtype=torch.bool)",
         ("tests/pair/test_output.py::test_write_prediction_layout_and_confidence[cif]",),
     ),
+    # -- twinshard predict: the gathered samples written with their own confidence; boltz's loading
+    M(
+        "predict_samples_mispaired",
+        "each sample's structure written under another sample's confidence",
+        "cli/predict.py",
+        'got["sample_atom_coords"][sl], part',
+        'got["sample_atom_coords"][sl].flip(0), part',
+        ("tests/cli/test_predict.py::test_predict_writes_the_serial_prediction[1x1-mmcif]",),
+    ),
+    M(
+        "predict_checkpoint_sampler_kept",
+        "the checkpoint's training sampler parameters kept (boltz predict replaces them)",
+        "cli/predict.py",
+        '    hp["diffusion_process_args"] = dict(BOLTZ2_DIFFUSION_PARAMS)',
+        '    hp.setdefault("diffusion_process_args", dict(BOLTZ2_DIFFUSION_PARAMS))',
+        ("tests/cli/test_predict.py::test_predict_checkpoint",),
+    ),
 ]
 
 

@@ -2,7 +2,7 @@
 
 twinshard demo                     the main job: every family on 4 local ranks vs serial
 twinshard md [STRUCTURE] ...       distributed MD (see ``twinshard md --help``)
-twinshard predict [--grid RxC] ...  Boltz-2 inference on a grid: structures + confidence files
+twinshard predict [--grid RxC]     Boltz-2 inference on a grid: structures + confidence files
 twinshard bench pair|atoms|migrate|balance|harness  benchmarks that print JSON (last stdout line)
 """
 
