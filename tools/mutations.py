@@ -1230,6 +1230,23 @@ MUTATIONS: list[Mutation] = [
         "flat = torch.cat([g.reshape(-1) for g in grads]); flat = flat.to(torch.bfloat16) if flat.dtype == torch.float32 else flat",
         ("tests/pair/test_fp32_param_grads.py",),
     ),
+    # -- twinshard predict: the gathered samples written with their own confidence; boltz's loading
+    M(
+        "predict_samples_mispaired",
+        "each sample's structure written under another sample's confidence",
+        "cli/predict.py",
+        'got["sample_atom_coords"][sl], part',
+        'got["sample_atom_coords"][sl].flip(0), part',
+        ("tests/cli/test_predict.py::test_predict_writes_the_serial_prediction[1x1-mmcif]",),
+    ),
+    M(
+        "predict_checkpoint_sampler_kept",
+        "the checkpoint's training sampler parameters kept (boltz predict replaces them)",
+        "cli/predict.py",
+        '    hp["diffusion_process_args"] = dict(BOLTZ2_DIFFUSION_PARAMS)',
+        '    hp.setdefault("diffusion_process_args", dict(BOLTZ2_DIFFUSION_PARAMS))',
+        ("tests/cli/test_predict.py::test_predict_checkpoint",),
+    ),
 ]
 
 

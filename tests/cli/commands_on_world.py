@@ -8,7 +8,9 @@ so no marker of another rank lands inside a result line.
 """
 
 import multiprocessing
+import os
 import sys
+import tempfile
 
 import twinshard.runtime.pool as pool
 from twinshard.cli import main
@@ -22,11 +24,18 @@ TRUNK_SMALL = [
     *("--opm-hidden", "2", "--atoms-per-token", "4", "--msa", "3"),
 ]
 
+# one output directory for every rank of this launch (their parent is the torchrun agent)
+PREDICT_OUT = os.path.join(tempfile.gettempdir(), f"twinshard_predict_torchrun_{os.getppid()}")
+
 COMMANDS = {
     "demo": ["demo"],
     "selftest": ["selftest", "--device", "cpu", "--json"],
     "md": ["md", "--atoms", "108", "--steps", "3", "--partition", "block", "--check-serial", "--json"],
     "trunk": ["trunk", "--tokens", "9", "--grid", "2x2", "--layers", "1", *TRUNK_SMALL, "--json"],
+    "predict": [
+        *("predict", "--tokens", "9", "--grid", "2x2", "--sampling-steps", "2", "--recycling-steps", "0"),
+        *("--no-progress", "--check-serial", "--out", PREDICT_OUT, "--json"),
+    ],
     "validate": ["validate", "--potential", "mpnn", "--json"],
     "bench-pair": ["bench", "pair", "--op", "trimul-out", "--grid", "2x2", "--tokens", "9", "--json"],
     "bench-harness": ["bench", "harness", "--ranks", "4", "--repeat", "2"],

@@ -56,6 +56,10 @@ def test_every_command_runs_on_the_launched_world():
     assert md["max_position_error"] <= 1e-9
     trunk = next(r for r in results if r.get("op") == "trunk")  # the whole Boltz-2 trunk
     assert trunk["grid"] == "2x2" and len(trunk["peak_memory_bytes_per_rank"]) == 4
+    predict = next(r for r in results if r.get("command") == "predict")  # rank 0 gathered and wrote
+    assert predict["ranks"] == 4 and len(predict["samples"]) == 1
+    assert Path(predict["samples"][0]["files"]["structure"]).is_file()
+    assert all(e["max_abs"] <= 1e-3 * max(e["ref_scale"], 1.0) for e in predict["errors"].values())  # fp32
     validate = next(r for r in results if "first_divergence" in r)
     assert validate["ranks"] == 4 and validate["passed"] is True  # --ranks 2 ignored: torchrun sets it
     selftest = next(r for r in results if "selftest" in r)

@@ -2,6 +2,7 @@
 
 twinshard demo                     the main job: every family on 4 local ranks vs serial
 twinshard md [STRUCTURE] ...       distributed MD (see ``twinshard md --help``)
+twinshard predict [--grid RxC]     Boltz-2 inference on a grid: structures + confidence files
 twinshard bench pair|atoms|migrate|balance|batch|harness  benchmarks that print JSON (last stdout line)
 """
 
@@ -13,7 +14,7 @@ import sys
 
 from twinshard.cli.demo import DEMO_SECTIONS, run_demo  # noqa: F401  (re-exported)
 
-# One module per command (demo, md, selftest, validate, harness; trunk and the benchmarks'
+# One module per command (demo, md, predict, selftest, validate, harness; trunk and the benchmarks'
 # parsers in twinshard.bench); main runs one inside the rank guard.
 
 
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     from twinshard.bench import migrate as bench_migrate
     from twinshard.bench import pair as bench_pair
     from twinshard.bench import trunk as bench_trunk
-    from twinshard.cli import demo, harness, md, selftest, validate
+    from twinshard.cli import demo, harness, md, predict, selftest, validate
 
     parser = argparse.ArgumentParser(
         prog="twinshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     md.add_md_parser(sub)
     bench_trunk.add_parser(sub)
+    predict.add_parser(sub)
     selftest.add_parser(sub)
     validate.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (JSON on the last stdout line)")
