@@ -1247,6 +1247,22 @@ MUTATIONS: list[Mutation] = [
         '    hp.setdefault("diffusion_process_args", dict(BOLTZ2_DIFFUSION_PARAMS))',
         ("tests/cli/test_predict.py::test_predict_checkpoint",),
     ),
+    M(
+        "storage_factory_drops_balance",
+        "an option lost in the one storage factory",
+        "atoms/parallel/storage.py",
+        "source, src, cutoff=cutoff, skin=skin, group=group, partition=partition, balance=balance, dtype=dtype",
+        "source, src, cutoff=cutoff, skin=skin, group=group, partition=partition, balance=None, dtype=dtype",
+        ("tests/atoms/test_balance.py::test_run_md_balance_equals_unbalanced_run",),
+    ),
+    M(
+        "storage_graph_path_for_halo",
+        "the evaluation path picked for the wrong storage type",
+        "atoms/parallel/distributed.py",
+        "        if isinstance(sharded, GraphSharded):  # per-system results",
+        "        if not isinstance(sharded, GraphSharded):  # per-system results",
+        ("tests/atoms/test_storage.py",),
+    ),
 ]
 
 

@@ -374,7 +374,7 @@ def _md_rank(
     """
     from twinshard.atoms.dynamics.driver import DistributedEngine, npt_figures
     from twinshard.atoms.parallel.distributed import DistributedPotential
-    from twinshard.atoms.parallel.sharded import ShardedSystem
+    from twinshard.atoms.parallel.storage import scatter_storage
     from twinshard.comm import primitives as prim
     from twinshard.runtime import agree_step, require_world
 
@@ -430,19 +430,15 @@ def _md_rank(
     resume = prim.broadcast(resume, 0, None, op="md_setup")
     start_step, heat0 = int(resume[0]), float(resume[1])
     load_dynamic_values(integ, resume[2:].tolist())  # every rank's chain starts from rank 0's
-    if opts["storage"] == "graph":
-        from twinshard.atoms.parallel.graph_storage import GraphSharded
-
-        sharded = GraphSharded.scatter(mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"])
-    else:
-        sharded = ShardedSystem.scatter(
-            mine,
-            0,
-            cutoff=float(potential.cutoff),
-            skin=opts["skin"],
-            partition=opts["partition"],
-            balance=opts["balance"],
-        )
+    sharded = scatter_storage(
+        opts["storage"],
+        mine,
+        0,
+        cutoff=float(potential.cutoff),
+        skin=opts["skin"],
+        partition=opts["partition"],
+        balance=opts["balance"],
+    )
     owned0 = sharded.counts()
     from twinshard.atoms.parallel.plain_inputs import potential_mode
 

@@ -200,19 +200,18 @@ def validate_rank(cfg: ValidateConfig, species: list[int]) -> dict[str, Any]:
 
     from twinshard.atoms.parallel.distributed import DistributedPotential
     from twinshard.atoms.parallel.sharded import ShardedSystem
+    from twinshard.atoms.parallel.storage import STORAGES, scatter_storage
 
-    if cfg.storage not in ("halo", "graph"):
-        raise ValueError(f"validate: --storage is 'halo' or 'graph', got {cfg.storage!r}")
+    if cfg.storage not in STORAGES:
+        raise ValueError(f"validate: --storage is one of {STORAGES}, got {cfg.storage!r}")
     model = build_potential(cfg, species)
     system = load_system(cfg, species) if dist.get_rank() == 0 else None
     holder = [0]
     pot, traced = with_trace(model, _keep_dist(holder))
-    if cfg.storage == "graph":  # gathers there index other ranks' rows: compared by their outputs only
-        from twinshard.atoms.parallel.graph_storage import GraphSharded
-
-        store: Any = GraphSharded.scatter(system, cutoff=float(model.cutoff), skin=cfg.skin)
-    else:
-        store = ShardedSystem.scatter(system, cutoff=float(model.cutoff), skin=cfg.skin)
+    store: Any = scatter_storage(cfg.storage, system, cutoff=float(model.cutoff), skin=cfg.skin)
+    if isinstance(
+        store, ShardedSystem
+    ):  # graph storage's gathers index other ranks' rows: compared by outputs only
         assert store.plan is not None
         traced.row_ids = torch.cat([store.ids, store.plan.halo_ids.to(store.ids.device)])
     holder[0] = store.n_owned
