@@ -143,17 +143,23 @@ def tolerances(dtype: torch.dtype) -> dict[str, float]:
 
 
 def build_potential(cfg: ValidateConfig, species: list[int]) -> nn.Module:
+    """The plain model ``validate`` traces, from the one factory (``make_potential``)."""
+    from twinshard.atoms.potentials import make_potential
+
     if cfg.potential == "mace":
-        from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, load_mace
-
-        return MaceAdapter(load_mace(cfg.model) if cfg.model else build_mace())
+        return make_potential("mace", species, model=cfg.model)
     if cfg.potential == "mpnn":
-        from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
-
-        model = PlainMessagePassing(species=species, cutoff=4.0, n_features=8, n_basis=6, n_layers=2, seed=3)
-        if cfg.model:
-            model.load_state_dict(torch.load(cfg.model, weights_only=True))
-        return model
+        return make_potential(
+            "mpnn",
+            species,
+            model=cfg.model,
+            plain=True,
+            cutoff=4.0,
+            n_features=8,
+            n_basis=6,
+            n_layers=2,
+            seed=3,
+        )
     raise ValueError(f"validate: unknown potential {cfg.potential!r}; choose 'mpnn' or 'mace'")
 
 
