@@ -34,6 +34,7 @@ import torch
 from ase.calculators.calculator import Calculator, CalculatorError, all_changes
 from torch import nn
 
+from twinshard.atoms.data.io import as_system
 from twinshard.atoms.data.system import System
 from twinshard.atoms.dynamics.sanity import nonfinite_rows
 from twinshard.atoms.parallel.plain_inputs import evaluate_serial
@@ -165,7 +166,7 @@ class TwinshardCalculator(Calculator):
         self, atoms: Any = None, properties: Any = ("energy",), system_changes: Any = all_changes
     ) -> None:
         super().calculate(atoms, properties, system_changes)
-        system = System.from_ase(self.atoms, dtype=self.dtype)
+        system = as_system(self.atoms, self.dtype, what="the calculator's atoms")
         if hasattr(self.potential, "check_species"):  # every rank holds the same atoms: all raise
             self.potential.check_species(system.numbers.unique().tolist())
         if self._use_world():

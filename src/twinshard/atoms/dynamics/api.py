@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from twinshard.atoms.data.io import as_system
 from twinshard.atoms.data.system import System
 from twinshard.atoms.dynamics.integrators import npt_integrator
 from twinshard.atoms.dynamics.md import (
@@ -300,10 +301,8 @@ def run_md(
     potential = as_potential(potential)  # a bare MACE module: behind MaceAdapter
     if not hasattr(potential, "cutoff"):
         raise TypeError("potential must have a float `cutoff` and forward(graph) -> per-atom energies")
-    if system is not None and not isinstance(system, System):
-        system = System.from_ase(system, dtype=dtype)
-    elif system is not None:
-        system = system.to(dtype=dtype)
+    if system is not None:
+        system = as_system(system, dtype, what="run_md's system")
     if system is not None and hasattr(potential, "check_species"):  # every rank has the system here
         potential.check_species(system.numbers.unique().tolist())
     integ = _integrator(

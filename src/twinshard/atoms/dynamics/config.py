@@ -123,9 +123,9 @@ def load_structure(cfg: MDConfig) -> System:
                 kwargs["n_atoms"] = n
             system = structures.build(name, **kwargs)
     else:
-        from twinshard.atoms.data.io import read
+        from twinshard.atoms.data.io import as_system
 
-        system = read(name)
+        system = as_system(name)
     if not bool(system.velocities.abs().gt(0).any()) and cfg.temperature > 0:
         system.velocities = maxwell_boltzmann(system.masses, system.ids, cfg.temperature, seed=cfg.seed)
     return system

@@ -165,9 +165,9 @@ def build_potential(cfg: ValidateConfig, species: list[int]) -> nn.Module:
 
 def load_system(cfg: ValidateConfig, species: list[int] | None = None) -> System:
     if cfg.structure:
-        from twinshard.atoms.data.io import read
+        from twinshard.atoms.data.io import as_system
 
-        return read(cfg.structure)
+        return as_system(cfg.structure)
     from twinshard.atoms.data import structures
 
     s = structures.fcc_argon(repeat=2, rattle=0.25, seed=1)  # 32 atoms, periodic
