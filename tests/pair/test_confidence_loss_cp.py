@@ -7,7 +7,8 @@ tests/interop/test_boltz_confidence_loss.py).
   recomputed frame valid) or 4 (one unresolved), a chain relabelled RNA (30 A cut-off),
   multiplicity 1 and 3, alpha_pae 0 and 1. Forward: [loss, plddt, pde, resolved, pae], identical
   bits on every rank; backward of a random projection: the gradient of every logits tensor
-  (collected with ``collect_grad``); each rank's pair logits a strict tile.
+  (collected with ``collect_grad``); each rank's pair logits a strict tile. The true structure
+  comes the training step's way: ``coords`` distributed as an atom feature, ``cp_true_coordinates``.
 - ``test_bad_r_set_raises_on_every_rank``: an R set with two rows on one token, and one off the
   centre atom, raise the same error on every rank (``distribute``).
 """
@@ -21,6 +22,7 @@ from confidence_loss_inputs import LOGIT_KEYS, flat_losses, loss_case
 from twinshard.pair.atoms import atom_tile
 from twinshard.pair.features import collect_grad, distribute, real_part, shard_tensor
 from twinshard.pair.layers.confidence_loss import confidence_loss as cp_loss
+from twinshard.pair.layers.confidence_loss import cp_true_coordinates
 from twinshard.pair.layers.diffusion import sample_layout
 from twinshard.pair.layout import with_layout
 from twinshard.pair.reference.confidence_loss import confidence_loss as ref_loss
@@ -54,16 +56,20 @@ def atom_dtensor(x: torch.Tensor, lay, grid):
 def _rank(grid, c):
     case = _case(c)
     m = c["m"]
-    fd = distribute({k: case["feats"][k] for k in FEATS}, grid)
+    # the true structure as the training step places it: coords [B, A, 3] (K squeezed) distributed
+    # as an atom feature, then cp_true_coordinates repeats each element m times
+    coords = case["true_coords"][::m]
+    fd = distribute({k: case["feats"][k] for k in FEATS} | {"coords": coords}, grid, kinds={"coords": "atom"})
     lay = sample_layout(fd.layout, m)
+    true, true_mask = cp_true_coordinates(fd["coords"], fd["atom_resolved_mask"], m)
     leaves = {k: v.clone().requires_grad_() for k, v in case["logits"].items()}
     logits = {k: shard_tensor(leaves[k], KIND[k], grid, fd.layout) for k in LOGIT_KEYS}
     out_in = dict(logits, sample_atom_coords=atom_dtensor(case["x_pred"], lay, grid))
     out = cp_loss(
         out_in,
         fd,
-        atom_dtensor(case["true_coords"], lay, grid),
-        atom_dtensor(case["true_mask"], lay, grid),
+        true,
+        true_mask,
         multiplicity=m,
         alpha_pae=c["alpha"],
     )
@@ -73,6 +79,7 @@ def _rank(grid, c):
     shards = (
         {k: real_part(logits[k]) for k in ("pde_logits", "pae_logits") if k in used} if grid.size > 1 else {}
     )
+    assert torch.equal(true.to_local(), atom_dtensor(case["true_coords"], lay, grid).to_local())
     return TwinResult(
         out=flat.detach(),
         grads_in={k: collect_grad(leaves[k].grad, KIND[k], grid) for k in used},

@@ -33,7 +33,8 @@ coordinates, my R-set atom (``r_set_token_to_atom`` tile @ coordinates, zero out
 the resolved flags, the nucleotide flag, the frames (:func:`cp_frame_values`: the PAE's frame
 atoms and the resolved flag of the true frame's centre, non-polymer chains recomputed on the true
 atoms with the resolved mask and on the predicted atoms with ``atom_resolved_mask``); the column
-block's values of the same come by ONE column move (``column_block``, ``[B m, Nc/C, 21]``).
+block's values of the same come by ONE column move (``column_block``, ``[B m, Nc/C, 16]``, 23
+channels with PAE).
 Then on the tile: PDE and PAE targets, masks and errors (``[B m, Nr/R, Nc/C]``), their per-sample
 sums; pLDDT: the tile's tokens x the column block's R-set atoms, each token's counted pairs and
 score sums over the local columns, summed over the WHOLE grid row (the lDDT of a token needs every
@@ -43,7 +44,7 @@ target, bin and cross-entropy on my rows; resolved: per token.
 Collectives. Forward: the frames' (:func:`cp_frame_values`, twice when ``alpha_pae > 0``: two
 all-reduces along the grid column of ``[B, K]`` chain counts and ``mol_type``, and where a
 non-polymer chain of >= 3 atoms exists one all-gather along the column of ``[B m, A_blk, 3+k+1]``
-and one of ``[B, A_blk, 2]``, transient O(A)); one column move of ``[B m, Nc/C, 21]``; one
+and one of ``[B, A_blk, 2]``, transient O(A)); one column move of ``[B m, Nc/C, 16 or 23]``; one
 all-gather along the grid ROW of the lDDT sums ``[2, B m, Nr/R]``; one all-gather along the grid
 COLUMN of the single-loss sums ``[4, B m]`` and one over the grid of the pair-loss sums
 ``[4, B m]`` (each summed in rank order after the gather: the same bits on every rank).
