@@ -1171,6 +1171,58 @@ MUTATIONS: list[Mutation] = [
         "x_cols = x_rows",
         ("tests/pair/test_confidence_cp.py::test_cp_confidence_matches_serial[2x2-B2-N11-m1]",),
     ),
+    # -- the confidence losses (issue 20 section 4)
+    M(
+        "closs_pae_partial_axis",
+        "PAE/PDE per-sample sums reduced over a partial grid axis (the grid row) instead of the grid",
+        "pair/layers/confidence_loss.py",
+        'pair_sums = replicated_sum(torch.stack(pair), None, "confidence_loss:pair_sums")',
+        'pair_sums = replicated_sum(torch.stack(pair), grid.row_group, "confidence_loss:pair_sums")',
+        (
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B2-N11-m1-pae1.0]",
+        ),
+    ),
+    M(
+        "closs_nucleotide_cutoff_15",
+        "lDDT inclusion radius 15 A for nucleotide R-set atoms (Boltz: 30 A)",
+        "pair/layers/confidence_loss.py",
+        "cutoff = 15 + 15 * nuc_c[:, None, :]",
+        "cutoff = 15 + 0 * nuc_c[:, None, :]",
+        (
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B2-N11-m1-pae1.0]",
+        ),
+    ),
+    M(
+        "closs_lddt_local_columns",
+        "per-token lDDT sums over the local R-set columns only (no sum along the grid row)",
+        "pair/layers/confidence_loss.py",
+        "sums = _ordered_sum(",
+        "sums = (lambda part, group, op: part)(",
+        (
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B2-N11-m1-pae1.0]",
+        ),
+    ),
+    M(
+        "closs_pred_frame_mask_dropped",
+        "PAE pair mask without the predicted frames' validity (collinear predicted frames counted)",
+        "pair/layers/confidence_loss.py",
+        "row_mask = frm * ok_t * ok_p * pad",
+        "row_mask = frm * ok_t * pad",
+        (
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B2-N11-m1-pae1.0]",
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B1-N20-m3-pae1.0]",
+        ),
+    ),
+    M(
+        "closs_resolved_pad_off",
+        "resolved loss averaged over every token row, Boltz's padding tokens included",
+        "pair/layers/confidence_loss.py",
+        'w_res = t["pad"].to(ct)',
+        'w_res = torch.ones_like(t["pad"]).to(ct)',
+        (
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B2-N11-m1-pae1.0]",
+        ),
+    ),
     # -- the whole Boltz-2 inference forward (issue 20)
     M(
         "model_confidence_sample_mispaired",

@@ -76,6 +76,7 @@ ATOM_FEATURES: dict[str, str] = {
     A2T: "atom_token",
     "token_to_rep_atom": "token_atom",
     "token_to_center_atom": "token_atom",
+    "r_set_token_to_atom": "token_atom",  # derived by distribute from r_set_to_rep_atom
 }
 
 
