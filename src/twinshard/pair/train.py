@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from twinshard.comm import primitives as P
+from twinshard.comm.amp import autocast_rule
 from twinshard.pair.features import layout_of
 from twinshard.pair.layers.distogram import CPDistogramHead
 from twinshard.pair.layers.pairformer import CPPairformerStack
@@ -84,10 +85,15 @@ class Trunk(nn.Module):
         return loss, per_sample
 
 
+@autocast_rule()
 class _SumOverRowBlocks(torch.autograd.Function):
     """Sum of per-rank partial sums over the grid column (the single track's row blocks).
     Every rank gets the same total; backward passes the (replicated) gradient to the local part
-    unchanged -- each rank differentiates only its own rows (slice, do not sum)."""
+    unchanged -- each rank differentiates only its own rows (slice, do not sum).
+
+    Dtype path: the partial sums are reduced in reduce_dtype (>= fp32), the result in the part's
+    dtype; backward passes the gradient unchanged.
+    """
 
     @staticmethod
     def forward(ctx: Any, part: torch.Tensor, group: Any) -> torch.Tensor:
