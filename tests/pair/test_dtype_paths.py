@@ -225,7 +225,7 @@ def _rank_all(grid, cases, plant=None):
 
             orig = ta._logits
 
-            def planted(q, *a):
+            def planted(q, *a, orig=orig):
                 return orig(q.to(torch.bfloat16).to(q.dtype), *a)
 
             ta._logits = planted
@@ -274,12 +274,12 @@ def wire_violations(summaries: list[dict]) -> list[str]:
     bad: list[str] = []
     for rank, s in enumerate(summaries):
         bad += [f"rank {rank}: wire dtype mismatch: {m}" for m in s["mismatches"]]
-        for op, dtype, kind, peer, fn in s["wire"]:
+        for op, dtype, kind, _peer, fn in s["wire"]:
             if kind in ("all_reduce", "reduce_scatter", "reduce") and dtype in FLOAT and WIDTH[dtype] < 32:
                 bad.append(f"rank {rank}: {op} ({kind}, in {fn}) sums in {dtype}, below fp32")
     groups: dict = {}
     for rank, s in enumerate(summaries):
-        for op, dtype, kind, peer, fn in s["wire"]:
+        for op, dtype, kind, peer, _fn in s["wire"]:
             if kind in ("send", "recv"):
                 continue
             groups.setdefault(tuple(peer), {}).setdefault(rank, []).append((op, dtype))
