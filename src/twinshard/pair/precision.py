@@ -84,7 +84,7 @@ class Precision:
         ``bf16-mixed``. Restores the flags on exit. ``agree=False``: no collective (a caller that
         agreed already, or a serial run)."""
         if agree:
-            agree_scalars(self.control(device_type), f"{what} (--precision {self.name})")
+            agree_scalars(self.control(device_type), f"{what} (the precision mode)")
         with ExitStack() as stack:
             if torch.cuda.is_available():
                 old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from twinshard.pair.features import layout_of
 from twinshard.pair.layers.distogram import CPDistogramHead
 from twinshard.pair.layers.pairformer import CPPairformerStack
 from twinshard.pair.layers.triangle import pair_grid
+from twinshard.pair.precision import precision as _precision
 from twinshard.pair.reference.distogram import DistogramHead, distogram_loss
 from twinshard.pair.reference.pairformer import PairformerStack
 from twinshard.runtime.agree import agree_scalars
@@ -138,13 +140,26 @@ class CPTrunk(Trunk):
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, Any], seed: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Mapping[str, Any],
+    seed: int,
+    precision: str | None = None,
 ) -> torch.Tensor:
     """One step: zero the gradients, ``loss = model(**batch, seed=seed)[0]``, backward, update.
     Returns the detached loss. On DTensor inputs the seed, the optimizer's step counts and its
     param groups' hyperparameters (learning rate, betas, weight decay, ...) are checked identical
-    on every rank first (they steer dropout and the update)."""
-    if any(isinstance(v, DTensor) for v in batch.values()):
+    on every rank first (they steer dropout and the update). ``precision`` (a mode of
+    ``twinshard.pair.precision``; None: none entered, the dtypes the model and batch carry): the
+    forward and backward run in its scope (agreed across ranks on DTensor inputs; the model and
+    batch are expected in its dtypes already); the update runs outside it."""
+    distributed = any(isinstance(v, DTensor) for v in batch.values())
+    scope = (
+        nullcontext()
+        if precision is None
+        else _precision(precision).scope(what="train_step", agree=distributed)
+    )
+    if distributed:
         steps = sorted(int(st["step"]) for st in optimizer.state.values() if "step" in st)
         groups = tuple(
             tuple(sorted((k, v) for k, v in group.items() if k != "params"))
@@ -154,8 +169,9 @@ def train_step(
             {"seed": int(seed), "optimizer_steps": tuple(steps), "param_groups": groups}, "train_step"
         )
     optimizer.zero_grad(set_to_none=True)
-    loss, _ = model(**batch, seed=seed)
-    loss.backward()
+    with scope:
+        loss, _ = model(**batch, seed=seed)
+        loss.backward()
     optimizer.step()
     return loss.detach()
 
