@@ -1315,6 +1315,31 @@ MUTATIONS: list[Mutation] = [
         "        if not isinstance(sharded, GraphSharded):  # per-system results",
         ("tests/atoms/test_storage.py",),
     ),
+    # -- precision modes: dtype paths audited per Function (issue 21, s. 1)
+    M(
+        "wire_in_autocast_dtype_on_one_rank",
+        "a buffer sent in the autocast dtype on one rank only",
+        "pair/layers/moves.py",
+        "    wire = _wire(x.dtype)",
+        '    wire = torch.get_autocast_dtype("cpu") if torch.distributed.get_rank() == 1 and x.is_floating_point() else _wire(x.dtype)',
+        ("tests/pair/test_dtype_paths.py::test_dtype_paths[2x2-trunk-fp32-fp32-plain]",),
+    ),
+    M(
+        "softmax_without_fp32_cast",
+        "the triangle-attention operands not cast back to fp32 before the softmax",
+        "pair/layers/triangle_attention.py",
+        "q, k, v, bias, mb = (t.to(ct) for t in (q, k, v, bias, mb))",
+        "q, k, v, bias, mb = (t for t in (q, k, v, bias, mb))",
+        ("tests/pair/test_dtype_paths.py::test_compute_functions_do_math_in_fp32[1x1]",),
+    ),
+    M(
+        "gradient_all_reduce_in_bf16",
+        "sums over ranks carried in the payload's dtype (a bf16 gradient all-reduced in bf16)",
+        "comm/primitives.py",
+        'buf = x.to(_audit_collective(op, reduce_dtype(x.dtype), group, "all_reduce"))',
+        'buf = x.to(_audit_collective(op, x.dtype, group, "all_reduce"))',
+        ("tests/pair/test_dtype_paths.py::test_dtype_paths[2x2-trunk-bf16-fp32-plain]",),
+    ),
 ]
 
 

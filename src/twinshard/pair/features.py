@@ -74,6 +74,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Placement
 
 from twinshard.comm import primitives as P
+from twinshard.comm.amp import autocast_rule
 from twinshard.pair.atoms import ATOM_FEATURES, atom_tile, plan_atoms, scatter_atom_tile, unblock_atoms
 from twinshard.pair.feature_contract import CONTRACT, check_features, r_set_token_form
 from twinshard.pair.layout import (
@@ -525,11 +526,14 @@ def shard_tensor(x: torch.Tensor, kind: str, grid: ProcessGrid, layout: PairLayo
     return _attach(from_local(local_block(layout.pad(x, kind), grid, pl), grid, pl), layout, kind)
 
 
+@autocast_rule()
 class _GatherTiles(torch.autograd.Function):
     """All-gather of tiles into the full (padded) tensor; backward keeps my tile of the gradient.
 
     Every rank computes the same thing from the gathered value, so its gradient is
     replicated, not partial: the adjoint slices, it does not sum (DESIGN rule 7).
+
+    Dtype path: tiles travel in the local tile's dtype; backward slices (no cast).
     """
 
     @staticmethod
