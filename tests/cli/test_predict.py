@@ -14,6 +14,11 @@ fp64, a few denoising steps; the command runs in-process on the shared worker po
   diffusion parameters and steering off (as ``boltz predict`` loads).
 - ``test_predict_feature_file``: a ``torch.save``'d feature dict of two complexes (no
   ``frames_idx``, extra entries of boltz's batch) gives one record per element, named by the stem.
+- ``test_predict_precision_modes``: ``--precision bf16-mixed`` (Boltz-2's own mode: autocast, the
+  sampler in fp32) and ``bf16`` (weights and activations) on 2x2 with ``--check-serial``: the mode
+  in the JSON, structures gemmi reads with finite coordinates, and the CP prediction close to the
+  serial one run in the same mode (a sanity bound, not parity: bf16 rounds at 4e-3 relative and
+  the sampler's steps amplify it; measured 1.7% of the coordinates' scale).
 - ``test_predict_bad_options``: a grid larger than the complex, a missing or malformed checkpoint,
   a checkpoint of other shapes, a missing feature file, bad step counts: one-line errors, exit 2.
 """
@@ -45,6 +50,7 @@ KEYS = {
     "atoms",
     "batch",
     "dtype",
+    "precision",
     "format",
     "recycling_steps",
     "sampling_steps",
@@ -244,6 +250,18 @@ def fails(capsys, *argv: str) -> str:
     return err
 
 
+@pytest.mark.parametrize("mode", ["bf16-mixed", "bf16"])
+def test_predict_precision_modes(mode, tmp_path, capsys):
+    argv = ("--grid", "2x2", "--tokens", "12", "--sampling-steps", "3", "--recycling-steps", "1")
+    r = predict(capsys, *argv, "--precision", mode, "--check-serial", "--out", str(tmp_path))
+    assert r["precision"] == mode and r["dtype"] == ("bfloat16" if mode == "bf16" else "float32")
+    for s in r["samples"]:
+        _, xyz = read_back(s["files"]["structure"])
+        assert xyz.shape[0] > 0 and np.isfinite(xyz).all()
+    e = r["errors"]["sample_atom_coords"]
+    assert 0 < e["max_abs"] <= 0.05 * e["ref_scale"], e  # sanity, not parity (docstring)
+
+
 def test_predict_bad_options(tmp_path, capsys):
     out = ("--out", str(tmp_path / "out"))
     assert "--grid 2x4 is larger than the complex: --tokens 3" in fails(
@@ -264,5 +282,8 @@ def test_predict_bad_options(tmp_path, capsys):
     err = fails(capsys, "--checkpoint", str(tmp_path / "short.ckpt"), *out)
     assert "does not load strict" in err and "missing ['input_embedder" in err
     assert "--sampling-steps must be >= 1" in fails(capsys, "--sampling-steps", "0", *out)
+    assert "--dtype float64 contradicts --precision bf16-mixed" in fails(
+        capsys, "--dtype", "float64", "--precision", "bf16-mixed", *out
+    )
     assert "--diffusion-samples must be >= 1" in fails(capsys, "--diffusion-samples", "0", *out)
     assert not (tmp_path / "out").exists()

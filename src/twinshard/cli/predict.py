@@ -27,6 +27,11 @@ Boltz-2 feature dict ``[B, ...]`` (the featuriser's names; tensors the feature c
 know are dropped; ``frames_idx`` computed as above when absent), record name the file's stem
 (``<stem>_<b>`` per batch element when B > 1).
 
+``--precision`` (``twinshard.pair.precision``; default ``fp32``, or what ``--dtype`` says): the
+parameters in the mode's dtype, the features' floating tensors in its activation dtype, the forward
+inside its scope (``bf16-mixed``: autocast with Boltz's fp32 regions; the mode is agreed by every
+rank first); outputs are written in >= fp32.
+
 ``--check-serial``: rank 0 also runs the serial ``Boltz2Model`` with the same weights, features
 and draws (the counter-based source of ``--seed``: the same sample on any grid) and reports the
 largest differences of the coordinates, pLDDT, PAE, PDE, pTM, ipTM and complex pLDDT.
@@ -34,7 +39,7 @@ largest differences of the coordinates, pLDDT, PAE, PDE, pTM, ipTM and complex p
 Output: a progress line per denoising step on stderr (rank 0; tqdm when installed; ``--no-progress``
 silences it); then (rank 0) the files written and each sample's pTM / ipTM / complex pLDDT, and as
 the last stdout line one JSON object (``--json``: only that line) with the keys ``command``,
-``record``, ``grid``, ``ranks``, ``tokens``, ``atoms``, ``batch``, ``dtype``, ``format``,
+``record``, ``grid``, ``ranks``, ``tokens``, ``atoms``, ``batch``, ``dtype``, ``precision``, ``format``,
 ``recycling_steps``, ``sampling_steps``, ``diffusion_samples``, ``max_parallel_samples``, ``seed``,
 ``checkpoint``, ``features``, ``out``, ``samples`` (per sample: ``element``, ``sample``, ``model``
 (its rank k), ``files``, ``confidence_score``, ``ptm``, ``iptm``, ``complex_plddt``), ``timings_s``
@@ -55,6 +60,7 @@ from typing import Any
 import torch
 
 from twinshard.pair.output import CONFIDENCE_KEYS
+from twinshard.pair.precision import MODES, dtype_default, precision
 from twinshard.runtime import reports, run_ranks
 
 __all__ = [
@@ -127,7 +133,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="draws (and the embedded weights and complex)")
     p.add_argument("--format", choices=("mmcif", "pdb"), default="mmcif", help="structure format")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "float64"),
+        default=None,
+        help="parameter and activation dtype (the older option; --precision says more)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=MODES,
+        default=None,
+        help="fp32 (default), tf32 (TF32 matmuls on CUDA), bf16 (weights and activations), bf16-mixed "
+        "(autocast around fp32 weights, Boltz's fp32 regions kept: Boltz-2's own mode), fp64",
+    )
     p.add_argument("--checkpoint", default=None, help="a Boltz-2 Lightning checkpoint (.ckpt)")
     p.add_argument("--features", default=None, help="a torch.save'd Boltz-2 feature dict (.pt)")
     p.add_argument("--check-serial", action="store_true", help="run the serial model on rank 0 and compare")
@@ -361,6 +379,12 @@ def _errors(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, dict[str, flo
     }
 
 
+def _written(x: torch.Tensor) -> torch.Tensor:
+    """An output on the CPU, in >= fp32 (a bf16 run's coordinates and confidences are written, and
+    compared, as fp32: the structure files and JSON hold text)."""
+    return x.cpu().to(torch.promote_types(x.dtype, torch.float32))
+
+
 def predict_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """Run on every rank of a world of rows x cols ranks; rank 0 writes the files and returns the
     result (module docstring), the others ``{}``."""
@@ -373,7 +397,8 @@ def predict_rank(spec: dict[str, Any]) -> dict[str, Any]:
     from twinshard.runtime.agree import raise_together
 
     t0 = time.perf_counter()
-    dtype = getattr(torch, spec["dtype"])
+    mode = precision(spec["precision"])
+    dtype = mode.param_dtype
     grid = make_grid(tuple(spec["grid"]))
     device = get_world().device
     lead = grid.rank == 0
@@ -392,9 +417,9 @@ def predict_rank(spec: dict[str, Any]) -> dict[str, Any]:
         serial = None
     cp = cp.to(device)
     if spec["features"]:
-        feats = load_features(spec["features"], dtype)
+        feats = load_features(spec["features"], mode.activation_dtype)
     else:
-        feats = synthetic_features(spec["tokens"], dtype, spec["seed"])
+        feats = synthetic_features(spec["tokens"], mode.activation_dtype, spec["seed"])
     feats = {k: v.to(device) for k, v in feats.items()}
     n = int(feats["token_pad_mask"].shape[1])
     rows, cols = spec["grid"]
@@ -415,16 +440,16 @@ def predict_rank(spec: dict[str, Any]) -> dict[str, Any]:
     clock = _Clock(cp, spec["sampling_steps"], chunks, lead and spec["progress"]) if lead else None
     t1 = time.perf_counter()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), mode.scope(device.type, what="twinshard predict"):
             out = cp(fd, **kw)
     finally:
         if clock is not None:
             clock.close()
     t2 = time.perf_counter()
-    got = {k: collect_tensor(out[k]).cpu() for k in GATHERED}
-    conf: dict[str, Any] = {k: out[k].detach().cpu() for k in SUMMARY if k in out}
+    got = {k: _written(collect_tensor(out[k])) for k in GATHERED}
+    conf: dict[str, Any] = {k: _written(out[k].detach()) for k in SUMMARY if k in out}
     conf["pair_chains_iptm"] = {
-        c1: {c2: x.detach().cpu() for c2, x in row.items()} for c1, row in out["pair_chains_iptm"].items()
+        c1: {c2: _written(x.detach()) for c2, x in row.items()} for c1, row in out["pair_chains_iptm"].items()
     }
     del out
     if not lead:
@@ -464,7 +489,7 @@ def predict_rank(spec: dict[str, Any]) -> dict[str, Any]:
     errors = None
     if serial is not None:
         serial = serial.to(device)
-        with torch.no_grad():
+        with torch.no_grad(), mode.scope(device.type, agree=False):
             ref = serial(feats, **kw)
         got.update({k: conf[k] for k in FIGURES})
         errors = _errors(got, ref)
@@ -525,6 +550,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     if checkpoint is not None:
         load_checkpoint(checkpoint)  # a clear error here, before any rank starts (the ranks load it again)
     record = "synthetic" if features is None else Path(features).stem
+    mode = dtype_default(args.dtype, args.precision, "fp32")
     return {
         "grid": shape,
         "tokens": args.tokens,
@@ -534,7 +560,8 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "max_parallel_samples": args.max_parallel_samples,
         "seed": args.seed,
         "format": args.format,
-        "dtype": args.dtype,
+        "precision": mode.name,
+        "dtype": str(mode.param_dtype).removeprefix("torch."),
         "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
         "features": None if features is None else str(Path(features).resolve()),
         "check_serial": bool(args.check_serial),
@@ -562,6 +589,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "atoms": r0["atoms"],
         "batch": r0["batch"],
         "dtype": spec["dtype"],
+        "precision": spec["precision"],
         "format": spec["format"],
         "recycling_steps": spec["recycling_steps"],
         "sampling_steps": spec["sampling_steps"],

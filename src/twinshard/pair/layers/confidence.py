@@ -100,6 +100,7 @@ from twinshard.pair.reference.confidence import (
     collinear_mask,
     tm_function,
 )
+from twinshard.pair.reference.norm import compute_dtype
 from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local
 from twinshard.runtime import ProcessGrid, raise_together
 from twinshard.runtime.agree import agree_scalars
@@ -531,7 +532,8 @@ class CPConfidenceModule(ConfidenceModule):
         t2r = feats["token_to_rep_atom"].to_local().repeat_interleave(m, 0).to(x_local.dtype)
         x_rows = torch.bmm(t2r, x_local)  # [B m, Nr/R, 3]: my token block's representative atoms
         x_cols = column_block(x_rows, grid, layout.padded, "confidence:rep_columns", differentiable=False)
-        d = torch.cdist(x_rows, x_cols)
+        ct = compute_dtype(x_rows.dtype)  # distances in >= fp32, as serial
+        d = torch.cdist(x_rows.to(ct), x_cols.to(ct))
         bins = (d.unsqueeze(-1) > self.boundaries).sum(dim=-1).long()
         bins = with_layout(from_local(bins, z.device_mesh, PAIR), layout, "pair")
         z = _add(z, self.dist_bin_pairwise_embed(bins))

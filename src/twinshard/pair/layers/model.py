@@ -74,6 +74,13 @@ class CPBoltz2Model(CPBoltz2Trunk, Boltz2Model):
         d = x.detach()
         return d if lay is None else with_layout(d, lay, layout_kind(x))
 
+    def cast(self, x: Any, dtype: torch.dtype) -> Any:
+        if not (isinstance(x, DTensor) and x.dtype != dtype):
+            return super().cast(x, dtype)
+        lay = layout_of(x)
+        d = x.to(dtype)  # a local cast of each tile
+        return d if lay is None else with_layout(d, lay, layout_kind(x))
+
     def first_distogram(self, pdistogram: DTensor) -> DTensor:  # type: ignore[override]
         local = pdistogram.to_local()[:, :, :, 0].contiguous()
         return with_layout(from_local(local, pdistogram.device_mesh, PAIR), layout_of(pdistogram), "pair")

@@ -164,6 +164,13 @@ class CPPairformerLayer(_PlainArgs, nn.Module):
     def single_stack(self, s: DTensor, z: DTensor, mask: DTensor | None) -> DTensor:
         """The single half: attention with pair bias (keys from the normed ``s``), transition."""
         with fp32_region(s.device.type):  # Boltz: the attention half with autocast off
+            # on operands in the weights' dtype or wider, as serial (a local cast of each tile;
+            # none in fp32, fp64 and bf16)
+            ct = torch.promote_types(s.dtype, self.pre_norm_s.weight.dtype)
+            if s.dtype != ct:
+                s = pointwise(lambda t: t.to(ct), s)
+            if z.dtype != ct:
+                z = pointwise(lambda t: t.to(ct), z)
             s_normed = self.pre_norm_s(s)
             s = pointwise(_add, s, self.attention(s_normed, z, mask, k_in=s_normed))
         s = pointwise(_add, s, self.transition_s(s))

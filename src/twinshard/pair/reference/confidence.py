@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinshard.pair.reference.linear import Linear
-from twinshard.pair.reference.norm import LayerNorm
+from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 from twinshard.pair.reference.pair_init import (
     BOND_TYPES,
     ContactConditioning,
@@ -457,7 +457,8 @@ class ConfidenceModule(nn.Module):
         z = z.repeat_interleave(m, 0)
         t2r = feats["token_to_rep_atom"].repeat_interleave(m, 0).to(x_pred.dtype)
         x_rep = torch.bmm(t2r, x_pred)
-        d = torch.cdist(x_rep, x_rep)
+        ct = compute_dtype(x_rep.dtype)  # distances in >= fp32 (bf16 has no CPU cdist)
+        d = torch.cdist(x_rep.to(ct), x_rep.to(ct))
         bins = (d.unsqueeze(-1) > self.boundaries).sum(dim=-1).long()
         z = z + self.dist_bin_pairwise_embed(bins)
         mask = feats["token_pad_mask"].repeat_interleave(m, 0)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from twinshard.comm.amp import fp32_region
 from twinshard.pair.reference.trunk import Boltz2Trunk, TrunkConfig, build_trunk
 
 __all__ = ["MODEL_PREFIXES", "Boltz2Model", "ModelConfig", "model_parts"]
@@ -174,6 +175,12 @@ class Boltz2Model(Boltz2Trunk):
     def detached(self, x: torch.Tensor) -> torch.Tensor:
         return x.detach()
 
+    def cast(self, x: Any, dtype: torch.dtype) -> Any:
+        """``x`` in ``dtype`` when it is a floating tensor (other values as they are)."""
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
     def first_distogram(self, pdistogram: torch.Tensor) -> torch.Tensor:
         """``pdistogram[:, :, :, 0]`` (Boltz: the confidence reads the first distogram only)."""
         return pdistogram[:, :, :, 0]
@@ -227,21 +234,26 @@ class Boltz2Model(Boltz2Trunk):
                 "token_trans_bias": token_trans_bias,
             }
             result: dict[str, Any] = {"pdistogram": out["pdistogram"], "s": s, "z": z}
-            result.update(
-                self.structure_module.sample(
-                    feats["atom_pad_mask"],
-                    num_sampling_steps,
-                    int(diffusion_samples),
-                    max_parallel_samples,
-                    self.model_config.steering_args,
-                    draws=draws,
-                    seed=seed,
-                    s_trunk=s,
-                    s_inputs=s_inputs,
-                    feats=feats,
-                    diffusion_conditioning=conditioning,
+            # Boltz: the sampler with autocast off on .float() inputs (s, s_inputs and the
+            # conditioning): here in the structure module's parameter dtype (fp32 under bf16-mixed,
+            # as Boltz; the model's dtype otherwise, so fp64 stays fp64)
+            sd = next(self.structure_module.parameters()).dtype
+            with fp32_region(s.device.type):
+                result.update(
+                    self.structure_module.sample(
+                        feats["atom_pad_mask"],
+                        num_sampling_steps,
+                        int(diffusion_samples),
+                        max_parallel_samples,
+                        self.model_config.steering_args,
+                        draws=draws,
+                        seed=seed,
+                        s_trunk=self.cast(s, sd),
+                        s_inputs=self.cast(s_inputs, sd),
+                        feats=feats,
+                        diffusion_conditioning={k: self.cast(v, sd) for k, v in conditioning.items()},
+                    )
                 )
-            )
         if self.model_config.confidence_prediction:
             result.update(
                 self.confidence_module(

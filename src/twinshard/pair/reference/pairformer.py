@@ -179,6 +179,10 @@ class PairformerLayer(nn.Module):
     def single_stack(self, s: torch.Tensor, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The single half: attention with pair bias (keys from the normed ``s``), transition."""
         with fp32_region(s.device.type):  # Boltz: the attention half with autocast off
+            # on operands in the weights' dtype or wider (Boltz's s.float(), z.float(): under
+            # autocast s and z arrive in bf16, the weights are fp32); a no-op in fp32, fp64 and bf16
+            ct = torch.promote_types(s.dtype, self.pre_norm_s.weight.dtype)
+            s, z = s.to(ct), z.to(ct)
             s_normed = self.pre_norm_s(s)
             s = s + self.attention(s_normed, z, mask, k_in=s_normed)
         s = s + self.transition_s(s)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinshard.pair.reference.linear import Linear
-from twinshard.pair.reference.norm import LayerNorm
+from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 from twinshard.pair.reference.pairformer import PairformerNoSeqModule
 
 __all__ = [
@@ -136,7 +136,10 @@ class _Template(nn.Module):
             ..., None
         ]
         visible = self._visible(row, col).to(dt)
-        d = torch.cdist(row["template_cb"], col["template_cb"], compute_mode=cdist_mode(n_tokens))
+        ct = compute_dtype(row["template_cb"].dtype)  # distances in >= fp32 (bf16 has no CPU cdist)
+        d = torch.cdist(
+            row["template_cb"].to(ct), col["template_cb"].to(ct), compute_mode=cdist_mode(n_tokens)
+        )
         edges = torch.linspace(self.min_dist, self.max_dist, self.num_bins - 1).to(d.device)
         bins = F.one_hot((d[..., None] > edges).sum(dim=-1).long(), num_classes=self.num_bins)
         rot_t = col["template_frame_rot"].unsqueeze(2).transpose(-1, -2)  # R_j^T: [B, T, 1, n_j, 3, 3]
