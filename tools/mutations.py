@@ -1149,9 +1149,9 @@ MUTATIONS: list[Mutation] = [
     M(
         "sampler_atom_sum_row_group",
         "atom sums gathered along the grid row (the same atoms C times) instead of the column",
-        "pair/layers/sampler.py",
-        "every = P.all_gather(part.unsqueeze(0).contiguous(), 0, group=grid.col_group,",
-        "every = P.all_gather(part.unsqueeze(0).contiguous(), 0, group=grid.row_group,",
+        "pair/layers/sums.py",
+        "return ordered_sum(part, grid.col_group, op)",
+        "return ordered_sum(part, grid.row_group, op)",
         ("tests/pair/test_sampler_cp.py::test_cp_sample_matches_serial[2x2-N11-m3-mps2-align]",),
     ),
     # -- the confidence module (issue 20 section 3)

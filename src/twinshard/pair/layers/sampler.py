@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-from twinshard.comm import primitives as P
 from twinshard.pair.layers.atom_encoder import tile_features
 from twinshard.pair.layers.diffusion import CPDiffusionModule, sample_layout
+from twinshard.pair.layers.sums import column_sum
 from twinshard.pair.layout import with_layout
 from twinshard.pair.reference.sampler import (
     AtomDiffusion,
@@ -78,12 +78,7 @@ class CPAtomDiffusion(AtomDiffusion):
 
     def _atom_sum(self, x: torch.Tensor, frame: SampleFrame) -> torch.Tensor:
         part = super()._atom_sum(x, frame)  # my grid row's atoms (valid slots only)
-        grid = self._grid
-        every = P.all_gather(part.unsqueeze(0).contiguous(), 0, group=grid.col_group, op="sampler:atom_sum")
-        total = every[0]
-        for i in range(1, every.shape[0]):  # grid-row order: the same bits on every rank
-            total = total + every[i]
-        return total
+        return column_sum(part, self._grid, "sampler:atom_sum")  # grid-row order: replicated bits
 
     def _score(self, r_noisy: torch.Tensor, times: torch.Tensor, kwargs: dict) -> torch.Tensor:
         lay = sample_layout(self._layout, kwargs["multiplicity"])
