@@ -12,8 +12,8 @@ What each test proves:
   coordinates equal serial on 1x1, 2x2, 2x3 and 3x3 grids, multiplicity 1 and 3, with the pLDDT
   filter and other loss weights, with the lDDT off, and with true coordinates on an integer lattice
   with pairs exactly at 15 A and 30 A (the strict ``<`` of serial). The loss has the same bits on
-  every rank; each rank's tile gradient is complete and identical along its grid row (the
-  ``collect_grad`` of the test sums the rows only); sharding is active (a strict part of the atoms
+  every rank; each rank's tile gradient is complete and identical along its grid row and equal to
+  serial on its atoms (the ``collect_grad`` of the test sums the grid rows only); sharding is active (a strict part of the atoms
   per rank); no tensor autograd saves is ``A x A``: the largest 2-D one is the rank's pair tile
   ``A_blk x L`` (checked against ``A^2 / P``).
 - ``test_atom_columns_cover_pairs``: the column pieces of a grid column tile ``[0, A)`` and each
@@ -109,7 +109,7 @@ def _rank(grid, c):
         "grad": collect_grad(leaf.grad, "atom", grid),
         "tile_grad": atom_tile(leaf.grad, "atom", lay_m, grid.coords[0]),
         "coords": grid.coords,
-        "parts": atom_parts(den) if grid.rows > 1 else [],
+        "parts": atom_parts(_atoms(leaf.grad, lay_m, grid)) if grid.rows > 1 else [],
         "pair_tile": max(pair_tiles, key=math.prod) if pair_tiles else None,
         "a_blk_l": (lay_m.atom_block, plan.length),
     }
@@ -158,8 +158,11 @@ def test_cp_loss_matches_serial(grid, c):
         for name, x, w in zip(NAMES, got["values"], want):
             assert_parity(x, w.to(F64), what=f"{what}: {name} rank {r}", grid=g)
         assert_parity(got["grad"], want[3], what=f"{what}: d loss / d denoised rank {r}", grid=g)
-        for local, index in got["parts"]:  # sharding active: a strict part of the atoms
+        for local, index in got["parts"]:  # sharding active: a strict part of the atoms, complete there
             assert local.shape[1] < a, f"rank {r} holds every atom: sharding is not active"
+            assert_parity(
+                local.reshape(-1), want[3][index].reshape(-1), what=f"{what}: tile grad rank {r}", grid=g
+            )
         if lddt_on:
             ab, ln = got["a_blk_l"]
             assert got["pair_tile"] == (ab, ln), f"rank {r}: largest saved 2-D tensor {got['pair_tile']}"
