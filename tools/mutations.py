@@ -1247,6 +1247,63 @@ MUTATIONS: list[Mutation] = [
         '    hp.setdefault("diffusion_process_args", dict(BOLTZ2_DIFFUSION_PARAMS))',
         ("tests/cli/test_predict.py::test_predict_checkpoint",),
     ),
+    # -- the diffusion loss (issue 20 section 4)
+    M(
+        "dloss_align_weights_dropped",
+        "rigid alignment of the diffusion loss with weights of ones (no nucleotide / ligand weights)",
+        "pair/layers/structure_loss.py",
+        "weighted_rigid_align(true_aug, den.detach(), weights, mask_align,",
+        "weighted_rigid_align(true_aug, den.detach(), torch.ones_like(weights), mask_align,",
+        ("tests/pair/test_structure_loss_cp.py::test_cp_loss_matches_serial[2x2-N10-m3-s2]",),
+    ),
+    M(
+        "dloss_lddt_cutoff_not_strict",
+        "smooth lDDT scores pairs exactly at the 15 A cutoff (<= instead of <)",
+        "pair/reference/structure_loss.py",
+        "valid = valid + (1 - nuc) * (true_d < other_cutoff).to(true_d.dtype)",
+        "valid = valid + (1 - nuc) * (true_d <= other_cutoff).to(true_d.dtype)",
+        ("tests/pair/test_structure_loss_cp.py::test_smooth_lddt_cutoff_is_strict",),
+    ),
+    M(
+        "dloss_lddt_nucleotide_cutoff_wrong_side",
+        "smooth lDDT nucleotide cutoff on the wrong side (> instead of <)",
+        "pair/reference/structure_loss.py",
+        "valid = nuc * (true_d < nucleic_acid_cutoff).to(true_d.dtype)",
+        "valid = nuc * (true_d > nucleic_acid_cutoff).to(true_d.dtype)",
+        ("tests/pair/test_structure_loss_cp.py::test_smooth_lddt_cutoff_is_strict",),
+    ),
+    M(
+        "dloss_pair_sums_partial_axis",
+        "smooth lDDT pair sums reduced along the grid row only (a partial grid axis)",
+        "pair/layers/sums.py",
+        'return ordered_sum(ordered_sum(part, grid.row_group, f"{op}:row"), grid.col_group, f"{op}:col")',
+        'return ordered_sum(part, grid.row_group, f"{op}:row")',
+        ("tests/pair/test_structure_loss_cp.py::test_cp_loss_matches_serial[2x2-N10-m3-s2]",),
+    ),
+    M(
+        "dloss_column_atoms_wrong_row",
+        "the column side of a pair tile takes the atoms of its grid row's piece, not its column's",
+        "pair/layers/structure_loss.py",
+        "    return coords[1]",
+        "    return coords[0]",
+        ("tests/pair/test_structure_loss_cp.py::test_cp_loss_matches_serial[2x2-N10-m3-s2]",),
+    ),
+    M(
+        "dloss_eye_dropped",
+        "smooth lDDT scores the i == j pairs (the eye term dropped)",
+        "pair/layers/structure_loss.py",
+        "distinct = (gi[i][:, None] != gj[None, :]).to(ct)",
+        "distinct = torch.ones(gi.shape[1], gj.shape[0], dtype=ct, device=gi.device)",
+        ("tests/pair/test_structure_loss_cp.py::test_cp_loss_matches_serial[2x2-N10-m3-s2]",),
+    ),
+    M(
+        "dloss_lddt_grad_not_synced",
+        "the smooth lDDT's partial tile gradients not summed along the grid row",
+        "pair/layers/structure_loss.py",
+        "x = sync_grad(den, grid.row_group)",
+        "x = den",
+        ("tests/pair/test_structure_loss_cp.py::test_cp_loss_matches_serial[2x2-N10-m3-s2]",),
+    ),
 ]
 
 

@@ -12,10 +12,10 @@ What each test proves:
   coordinates equal serial on 1x1, 2x2, 2x3 and 3x3 grids, multiplicity 1 and 3, with the pLDDT
   filter and other loss weights, with the lDDT off, and with true coordinates on an integer lattice
   with pairs exactly at 15 A and 30 A (the strict ``<`` of serial). The loss has the same bits on
-  every rank; each rank's tile gradient is complete and identical along its grid row and equal to
-  serial on its atoms (the ``collect_grad`` of the test sums the grid rows only); sharding is active (a strict part of the atoms
-  per rank); no tensor autograd saves is ``A x A``: the largest 2-D one is the rank's pair tile
-  ``A_blk x L`` (checked against ``A^2 / P``).
+  every rank; each rank's tile gradient is complete, identical along its grid row and equal to
+  serial on its atoms (the ``collect_grad`` of the test sums the grid rows only); sharding is
+  active (a strict part of the atoms per rank); no tensor autograd saves is ``A x A``: the largest
+  2-D one is the rank's pair tile ``A_blk x L``, below ``A x A`` and within 2 ``A^2 / P``.
 - ``test_atom_columns_cover_pairs``: the column pieces of a grid column tile ``[0, A)`` and each
   rank's piece holds exactly the serial atoms ``[c L, c L + L)`` (the values moved are right).
 - ``test_smooth_lddt_cutoff_is_strict``: a hand-computed case (no code shared with the loss): a
@@ -24,6 +24,8 @@ What each test proves:
 - ``test_bad_input_raises_together``: denoised coordinates of another multiplicity, true
   coordinates placed on another layout, and sigmas that differ across ranks raise the same
   error on every rank, naming the input.
+- ``test_collected_coords_roundtrip``: the tests' placement of ``[B m, A, 3]`` coordinates on the
+  sample layout collects back to the serial tensor.
 """
 
 from __future__ import annotations

@@ -359,14 +359,10 @@ def cp_compute_loss(
     def atom_sum(v: torch.Tensor) -> torch.Tensor:
         return column_sum(v.sum(1), grid, "diffusion_loss:align")
 
-    x_true = weighted_rigid_align(
-        t["aligned_true_atom_coords"].to(ct).detach(),
-        den.detach(),
-        weights,
-        resolved.repeat_interleave(m, 0) * keep,
-        diffusion.align_svd_dtype,
-        atom_sum,
-    )
+    true_aug = t["aligned_true_atom_coords"].to(ct).detach()
+    mask_align = resolved.repeat_interleave(m, 0) * keep  # Boltz: the unfiltered resolved mask
+    svd = diffusion.align_svd_dtype
+    x_true = weighted_rigid_align(true_aug, den.detach(), weights, mask_align, svd, atom_sum)
     sq = ((den - x_true) ** 2).sum(-1)
     part = torch.stack([(sq * weights * resolved_m).sum(-1), (3 * weights * resolved_m).sum(-1)], -1)
     tot = column_sum(part, grid, "diffusion_loss:mse")

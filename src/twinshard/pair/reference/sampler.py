@@ -43,6 +43,9 @@ callback hands the full serial tensors, in the order and shapes Boltz's ``torch.
 them, to both sides). Boltz itself samples ``B = 1`` only (its rotations are ``[m, 3, 3]``); here
 any ``B``, the sample rows ``b m + j``.
 
+Training loss: ``loss_weight`` and ``compute_loss`` (Boltz-2's diffusion loss) are
+:mod:`twinshard.pair.reference.structure_loss`'s.
+
 Names: ``score_model.*`` (Boltz's ``structure_module.score_model.*``; a ``Boltz2`` state dict's
 ``structure_module.*`` loads strict) and the non-persistent buffer ``zero``.
 """
