@@ -253,8 +253,9 @@ def _local_inputs(
     out = {"grid": grid, "layout": layout, "lay_m": lay_m}
     for k in ("denoised_atom_coords", "aligned_true_atom_coords"):
         out[k] = _atom_tile(out_dict[k], k, lay_m, grid, what, 3)
-    if lddt:
-        out["coords"] = _atom_tile(feats["coords"], "feats['coords']", lay_m, grid, what, 3)
+    if lddt:  # Boltz-2's training forward repeats the true coordinates per sample: [B m, A, 3]
+        name = "feats['coords'] (the true coordinates repeated per sample, [B m, A, 3])"
+        out["coords"] = _atom_tile(feats["coords"], name, lay_m, grid, what, 3)
     for k in ("atom_resolved_mask",) + (("plddt",) if plddt else ()):
         out[k] = _atom_tile(feats[k], k, layout, grid, what, None)
     for k in ("atom_to_token", "mol_type"):
