@@ -43,9 +43,10 @@ from typing import Any
 
 import torch
 
-from twinshard.comm import primitives as P
 from twinshard.pair.layers.atom_encoder import tile_features
 from twinshard.pair.layers.diffusion import CPDiffusionModule, sample_layout
+from twinshard.pair.layers.structure_loss import cp_compute_loss
+from twinshard.pair.layers.sums import column_sum
 from twinshard.pair.layout import with_layout
 from twinshard.pair.reference.sampler import (
     AtomDiffusion,
@@ -78,12 +79,7 @@ class CPAtomDiffusion(AtomDiffusion):
 
     def _atom_sum(self, x: torch.Tensor, frame: SampleFrame) -> torch.Tensor:
         part = super()._atom_sum(x, frame)  # my grid row's atoms (valid slots only)
-        grid = self._grid
-        every = P.all_gather(part.unsqueeze(0).contiguous(), 0, group=grid.col_group, op="sampler:atom_sum")
-        total = every[0]
-        for i in range(1, every.shape[0]):  # grid-row order: the same bits on every rank
-            total = total + every[i]
-        return total
+        return column_sum(part, self._grid, "sampler:atom_sum")  # grid-row order: replicated bits
 
     def _score(self, r_noisy: torch.Tensor, times: torch.Tensor, kwargs: dict) -> torch.Tensor:
         lay = sample_layout(self._layout, kwargs["multiplicity"])
@@ -142,3 +138,26 @@ class CPAtomDiffusion(AtomDiffusion):
             self._grid = self._layout = None
         out = with_layout(from_local(x.contiguous(), grid.mesh, SINGLE), sample_layout(layout, m), "atom")
         return {"sample_atom_coords": out, "diff_token_repr": None}
+
+    def compute_loss(  # type: ignore[override]
+        self,
+        feats: Any,
+        out_dict: Mapping[str, Any],
+        add_smooth_lddt_loss: bool = True,
+        nucleotide_loss_weight: float = 5.0,
+        ligand_loss_weight: float = 10.0,
+        multiplicity: int = 1,
+        filter_by_plddt: float = 0.0,
+    ) -> dict[str, Any]:
+        """Boltz-2's diffusion loss on the grid: :func:`twinshard.pair.layers.structure_loss.cp_compute_loss`
+        (placements, collectives and memory in that module's docstring)."""
+        return cp_compute_loss(
+            self,
+            feats,
+            out_dict,
+            add_smooth_lddt_loss,
+            nucleotide_loss_weight,
+            ligand_loss_weight,
+            multiplicity,
+            filter_by_plddt,
+        )

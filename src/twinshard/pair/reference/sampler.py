@@ -43,6 +43,9 @@ callback hands the full serial tensors, in the order and shapes Boltz's ``torch.
 them, to both sides). Boltz itself samples ``B = 1`` only (its rotations are ``[m, 3, 3]``); here
 any ``B``, the sample rows ``b m + j``.
 
+Training loss: ``loss_weight`` and ``compute_loss`` (Boltz-2's diffusion loss) are
+:mod:`twinshard.pair.reference.structure_loss`'s.
+
 Names: ``score_model.*`` (Boltz's ``structure_module.score_model.*``; a ``Boltz2`` state dict's
 ``structure_module.*`` loads strict) and the non-persistent buffer ``zero``.
 """
@@ -56,6 +59,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from twinshard.pair.reference import structure_loss
+from twinshard.pair.reference.alignment import rotation_from_covariance, weighted_rigid_align
 from twinshard.pair.reference.diffusion import DiffusionModule
 from twinshard.rng import normal
 
@@ -164,42 +169,6 @@ def quaternion_rotation(draw: torch.Tensor) -> torch.Tensor:
         -1,
     )
     return rot.reshape(q.shape[:-1] + (3, 3))
-
-
-def rotation_from_covariance(cov: torch.Tensor, svd_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Kabsch: the proper rotation ``U diag(1, 1, det(U V^T)) V^T`` of the SVD ``cov = U S V^T``
-    (``cov[..., 3, 3]``), computed in ``svd_dtype`` (Boltz: fp32) and returned in ``cov``'s dtype."""
-    c = cov.to(svd_dtype)
-    u, _, vh = torch.linalg.svd(c, driver="gesvd" if c.is_cuda else None)
-    det = torch.det(u @ vh)
-    f = torch.ones(c.shape[:-1], dtype=c.dtype, device=c.device)
-    f[..., -1] = det
-    return ((u * f[..., None, :]) @ vh).to(cov.dtype)
-
-
-def weighted_rigid_align(
-    true_coords: torch.Tensor,
-    pred_coords: torch.Tensor,
-    weights: torch.Tensor,
-    mask: torch.Tensor,
-    svd_dtype: torch.dtype = torch.float32,
-    atom_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """AF3 Algorithm 28 (Boltz's ``weighted_rigid_align``): ``true_coords[B, A, 3]`` rotated and
-    translated onto ``pred_coords`` by the ``mask x weights``-weighted Kabsch fit; detached.
-
-    ``atom_sum(x[B, A, ...]) -> [B, ...]`` sums over the atom axis (default ``x.sum(1)``; the CP
-    sampler passes its global sum over the atom blocks): the weighted centroids, then the 3 x 3
-    covariance ``sum_a w_a (p_a - p_c)(t_a - t_c)^T`` (two passes, as Boltz)."""
-    atom_sum = atom_sum or (lambda x: x.sum(1))
-    w = (mask * weights).unsqueeze(-1)
-    wsum = atom_sum(w)[:, None]
-    t_c = atom_sum(true_coords * w)[:, None] / wsum
-    p_c = atom_sum(pred_coords * w)[:, None] / wsum
-    t0, p0 = true_coords - t_c, pred_coords - p_c
-    cov = atom_sum((w * p0)[..., :, None] * t0[..., None, :])  # [B, 3, 3]: i from pred, j from true
-    rot = rotation_from_covariance(cov, svd_dtype)
-    return (torch.einsum("bni,bji->bnj", t0, rot) + p_c).detach()
 
 
 def boltz_sample_chunks(multiplicity: int, max_parallel_samples: int | None) -> list[list[int]]:
@@ -425,3 +394,30 @@ class AtomDiffusion(nn.Module):
         chunks = boltz_sample_chunks(m, max_parallel_samples)
         x = self._run(mask.to(dtype), frame, steps, m, chunks, draws, network_condition_kwargs, dtype)
         return {"sample_atom_coords": x, "diff_token_repr": None}
+
+    # -- the training loss (twinshard.pair.reference.structure_loss) ------------------------------
+    def loss_weight(self, sigma: torch.Tensor) -> torch.Tensor:
+        """EDM's loss weight ``(sigma^2 + sd^2) / (sigma sd)^2`` (Boltz's ``loss_weight``)."""
+        return structure_loss.loss_weight(sigma, self.sigma_data)
+
+    def compute_loss(
+        self,
+        feats: Mapping[str, Any],
+        out_dict: Mapping[str, Any],
+        add_smooth_lddt_loss: bool = True,
+        nucleotide_loss_weight: float = 5.0,
+        ligand_loss_weight: float = 10.0,
+        multiplicity: int = 1,
+        filter_by_plddt: float = 0.0,
+    ) -> dict[str, Any]:
+        """Boltz-2's diffusion loss: :func:`twinshard.pair.reference.structure_loss.compute_loss`."""
+        return structure_loss.compute_loss(
+            self,
+            feats,
+            out_dict,
+            add_smooth_lddt_loss,
+            nucleotide_loss_weight,
+            ligand_loss_weight,
+            multiplicity,
+            filter_by_plddt,
+        )
