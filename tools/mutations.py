@@ -1176,8 +1176,8 @@ MUTATIONS: list[Mutation] = [
         "closs_pae_partial_axis",
         "PAE/PDE per-sample sums reduced over a partial grid axis (the grid row) instead of the grid",
         "pair/layers/confidence_loss.py",
-        'pair_sums = replicated_sum(torch.stack(pair), None, "confidence_loss:pair_sums")',
-        'pair_sums = replicated_sum(torch.stack(pair), grid.row_group, "confidence_loss:pair_sums")',
+        'pair_sums = ordered_sum(torch.stack(pair), None, "confidence_loss:pair_sums")',
+        'pair_sums = ordered_sum(torch.stack(pair), grid.row_group, "confidence_loss:pair_sums")',
         (
             "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B2-N11-m1-pae1.0]",
         ),

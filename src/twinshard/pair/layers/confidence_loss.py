@@ -69,6 +69,7 @@ from twinshard.pair.layers.confidence import _block_index, cp_frame_values
 from twinshard.pair.layers.diffusion import sample_layout
 from twinshard.pair.layers.moves import column_block
 from twinshard.pair.layers.pair_init import feature_layout
+from twinshard.pair.layers.sums import ordered_sum
 from twinshard.pair.layout import layout_of, with_layout
 from twinshard.pair.reference.confidence import collinear_mask
 from twinshard.pair.reference.confidence_loss import (
@@ -88,7 +89,7 @@ from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local
 from twinshard.runtime import ProcessGrid
 from twinshard.runtime.agree import agree_scalars
 
-__all__ = ["LOSS_FEATURES", "PAE_FEATURES", "confidence_loss", "cp_true_coordinates", "replicated_sum"]
+__all__ = ["LOSS_FEATURES", "PAE_FEATURES", "confidence_loss", "cp_true_coordinates"]
 
 LOSS_FEATURES = (
     "token_to_rep_atom",
@@ -101,27 +102,6 @@ LOSS_FEATURES = (
     "frames_idx",
 )
 PAE_FEATURES = ("frame_resolved_mask", "atom_resolved_mask")
-
-
-class _ReplicatedSum(torch.autograd.Function):
-    """Sum of per-rank partials over ``group`` (all-gather, then the sum in rank order: identical
-    bits on every rank). The result is replicated and every rank differentiates it alike, so the
-    backward passes the gradient to the local partial unchanged (slice, do not sum)."""
-
-    @staticmethod
-    def forward(ctx: Any, part: torch.Tensor, group: Any, op: str) -> torch.Tensor:
-        every = P.all_gather(part.detach().unsqueeze(0).contiguous(), 0, group, op=op)
-        return every.sum(0)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor):
-        return g, None, None
-
-
-def replicated_sum(part: torch.Tensor, group: Any, op: str) -> torch.Tensor:
-    """The sum of ``part`` over ``group`` (``None``: the whole grid), the same bits on every rank;
-    differentiable with the replicated-value adjoint (each rank's gradient goes to its own part)."""
-    return _ReplicatedSum.apply(part, group, op)
 
 
 def cp_true_coordinates(coords: DTensor, resolved: DTensor, multiplicity: int) -> tuple[DTensor, DTensor]:
@@ -222,7 +202,7 @@ def confidence_loss(
             w_res.sum(-1),
         ]
     )
-    single = replicated_sum(single, grid.col_group, "confidence_loss:single_sums")
+    single = ordered_sum(single, grid.col_group, "confidence_loss:single_sums")
     # pair losses: my tile, summed over the grid
     pde_l = model_out["pde_logits"].to_local().to(ct)
     err_pde = cross_entropy_bins(pde_l, distance_bins(t["pde"], pde_l.shape[-1]))
@@ -233,7 +213,7 @@ def confidence_loss(
         err_pae = cross_entropy_bins(pae_l, distance_bins(t["pae"], pae_l.shape[-1]))
         w_pae = t["pae_mask"].to(ct)
         pair += [(err_pae * w_pae).sum((1, 2)), w_pae.sum((1, 2))]
-    pair_sums = replicated_sum(torch.stack(pair), None, "confidence_loss:pair_sums")
+    pair_sums = ordered_sum(torch.stack(pair), None, "confidence_loss:pair_sums")
 
     def mean(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
         return (num / (1e-7 + den)).mean()

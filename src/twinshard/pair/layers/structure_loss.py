@@ -70,6 +70,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from twinshard.comm.amp import autocast_rule
 from twinshard.comm.ops import sync_grad
 from twinshard.pair.layers.diffusion import sample_layout
 from twinshard.pair.layers.sums import column_sum, grid_sum
@@ -146,10 +147,12 @@ def atom_columns(layout: PairLayout, grid: ProcessGrid) -> AtomColumns:
     return AtomColumns(_piece_of(grid.coords), length, tuple(sends), tuple(recvs))
 
 
+@autocast_rule()
 class _ColumnAtoms(torch.autograd.Function):
     """My atom tile ``[B, A_blk, ...]`` -> my column piece ``[B, L, ...]`` (zeros where no atom
     of the piece exists). Backward: each received row's gradient goes back to its sender, which
-    adds it to its tile's gradient (the reverse exchange)."""
+    adds it to its tile's gradient (the reverse exchange). Dtype path: the tile's dtype on the
+    wire and in the piece, the gradient's on the way back; no cast."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, plan: AtomColumns, op: str) -> torch.Tensor:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from twinshard.comm import primitives as P
+from twinshard.comm.amp import autocast_rule
 from twinshard.runtime.grid import ProcessGrid
 
 __all__ = ["column_sum", "grid_sum", "ordered_sum"]
@@ -47,9 +48,11 @@ def _gathered_sum(part: torch.Tensor, group: Any, op: str) -> torch.Tensor:
     return total
 
 
+@autocast_rule()
 class _OrderedSum(torch.autograd.Function):
     """Gather the partials of ``group``, add them in rank order; backward: the (replicated)
-    gradient of the sum is my part's gradient (module docstring)."""
+    gradient of the sum is my part's gradient (module docstring). Dtype path: the partials' dtype
+    throughout (the callers' sums are >= fp32); the wire carries it."""
 
     @staticmethod
     def forward(ctx: Any, part: torch.Tensor, group: Any, op: str) -> torch.Tensor:
