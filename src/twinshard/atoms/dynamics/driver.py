@@ -443,6 +443,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         "conserved_drift": thermo.rows[-1]["conserved"] - thermo.rows[0]["conserved"],
         "pressure": cfg.pressure,
         "barostat": cfg.barostat if cfg.pressure is not None else None,
+        "coupling": cfg.coupling if cfg.pressure is not None else None,
         **npt_figures(thermo),
         "atoms_conserved": bool(torch.equal(final.ids, all_ids)),
         # the sanity bounds the run was checked against (null: no bound)
