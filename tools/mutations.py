@@ -369,6 +369,14 @@ MUTATIONS: list[Mutation] = [
         "return torch.diagonal(s).mean().expand(3).clone(), self.beta / (3.0 * vol * self.tau)",
         ("tests/atoms/test_scr.py::test_one_step_equals_the_published_increments[0.0-aniso]",),
     ),
+    M(
+        "npt_rebuild_skips_strain",
+        "stale neighbour list",
+        "atoms/parallel/sharded.py",
+        "if 2.0 * disp + strain > self.skin or forced:",
+        "if 2.0 * disp > self.skin or forced:",
+        ("tests/atoms/test_npt_rebuild.py::test_strain_bound_rebuilds_exactly_when_needed",),
+    ),
     # -- atoms: load balance (cut planes where the atoms are, from histograms summed over ranks)
     M(
         "balance_drops_plane_atom",

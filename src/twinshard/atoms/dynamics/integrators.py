@@ -396,9 +396,10 @@ class IsotropicMTK(NoseHooverChain):
     scaling, the second half-step's chain reuses the one ``P_eps`` needed), so the same two
     all-reduces per step as the NVT chain. The cell goes to the engine with ``set_cell`` on every
     rank (replicated arithmetic, no communication); the positions and velocities of each rank's
-    owned atoms are scaled by the same factors. The engine rebuilds its partition, halo plan and
-    neighbour lists after every cell change (the rule: a changed cell forces a rebuild, as the
-    serial Verlet list), and atoms migrate there as the box breathes.
+    owned atoms are scaled by the same factors. The engine's partition follows the cell at once;
+    its halo plan and neighbour lists are rebuilt (and atoms migrate) only when the skin no longer
+    covers the strain and the non-affine motion since the last build
+    (:meth:`~twinshard.atoms.parallel.sharded.ShardedSystem.update`).
 
     Conserved: ``E_pot + E_kin + E_chain + E_baro_chain + p_eps^2 / (2W) + P_ext V``; each
     half-step returns minus the change of the non-particle terms as heat (rank 0 only).
