@@ -44,7 +44,9 @@ def main() -> None:
     p.add_argument("--friction", type=float, default=0.01)
     p.add_argument("--cutoff", type=float, default=7.0)
     p.add_argument(
-        "--runs", default="langevin:iso,nose-hoover:aniso,none:tri", help="thermostat:coupling,..."
+        "--runs",
+        default="langevin:iso,nose-hoover:aniso,langevin:tri",
+        help="thermostat:coupling,... (none: NPH-like, the particles are not thermostatted)",
     )
     a = p.parse_args()
 
