@@ -336,6 +336,47 @@ MUTATIONS: list[Mutation] = [
         "_ = self._rank == 0 and self._engine.set_cell(self.cell().to(positions.dtype))",
         ("tests/atoms/test_npt.py",),
     ),
+    # -- atoms: NPT with stochastic cell rescaling (replicated cell from agreed values, global noise)
+    M(
+        "scr_virial_not_reduced",
+        "missing reduction",
+        "atoms/parallel/distributed.py",
+        "virial = total[1:].reshape(3, 3)",
+        "virial = pair.virial.reshape(3, 3).to(dtype)",
+        ("tests/atoms/test_scr.py::test_scr_equals_serial_at_round_off[2-langevin-tri]",),
+    ),
+    M(
+        "scr_cell_one_rank",
+        "replicated value diverges",
+        "atoms/dynamics/scr.py",
+        "self._engine.set_cell(self.cell().to(positions.dtype))  # every rank, the same cell",
+        "_ = self._rank == 0 and self._engine.set_cell(self.cell().to(positions.dtype))",
+        ("tests/atoms/test_scr.py::test_scr_equals_serial_at_round_off[2-langevin-tri]",),
+    ),
+    M(
+        "scr_noise_keyed_by_rank",
+        "random draw keyed by rank",
+        "atoms/dynamics/scr.py",
+        "xi = rng.normal(self.seed, SCR_STREAM, int(step), self._comps, dtype=torch.float64)",
+        "xi = rng.normal(self.seed + self._rank, SCR_STREAM, int(step), self._comps, dtype=torch.float64)",
+        ("tests/atoms/test_scr.py::test_scr_equals_serial_at_round_off[2-langevin-tri]",),
+    ),
+    M(
+        "scr_aniso_isotropic_mean",
+        "wrong coupling",
+        "atoms/dynamics/scr.py",
+        "return torch.diagonal(s).clone(), self.beta / (3.0 * vol * self.tau)",
+        "return torch.diagonal(s).mean().expand(3).clone(), self.beta / (3.0 * vol * self.tau)",
+        ("tests/atoms/test_scr.py::test_one_step_equals_the_published_increments[0.0-aniso]",),
+    ),
+    M(
+        "npt_rebuild_skips_strain",
+        "stale neighbour list",
+        "atoms/parallel/sharded.py",
+        "if 2.0 * disp + strain > self.skin or forced:",
+        "if 2.0 * disp > self.skin or forced:",
+        ("tests/atoms/test_npt_rebuild.py::test_strain_bound_rebuilds_exactly_when_needed",),
+    ),
     # -- atoms: load balance (cut planes where the atoms are, from histograms summed over ranks)
     M(
         "balance_drops_plane_atom",

@@ -251,7 +251,7 @@ def test_npt_equals_serial_at_round_off(ranks):
         assert torch.equal(r["cell"], res[0]["cell"])
     for r in res:  # the partition follows the cell
         assert torch.equal(r["partition_cell"], r["cell"].to(r["partition_cell"].dtype))
-        assert r["builds"] >= STEPS  # a changed cell forces a rebuild
+        assert r["builds"] >= 1  # (the rebuild rule under a changing cell: test_npt_rebuild.py)
     thermo = res[0]["thermo"]
     vol, cons, e = thermo[:, 6], thermo[:, 5], thermo[:, 2] + thermo[:, 3]
     # anti-vacuous: the box breathed; the extended energy drifted far less than the energy moved

@@ -138,9 +138,23 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--barostat",
-        choices=("mtk",),
+        choices=("mtk", "scr"),
         default="mtk",
-        help="mtk: isotropic Martyna-Tobias-Klein with Nose-Hoover chains (with --thermostat nose-hoover)",
+        help="mtk: isotropic Martyna-Tobias-Klein with Nose-Hoover chains (with --thermostat "
+        "nose-hoover); scr: stochastic cell rescaling (Bernetti-Bussi), with any --thermostat",
+    )
+    p.add_argument(
+        "--coupling",
+        choices=("iso", "aniso", "tri"),
+        default="iso",
+        help="--barostat scr: iso (volume), aniso (box lengths x, y, z) or tri (lengths and tilts)",
+    )
+    p.add_argument(
+        "--compressibility",
+        type=float,
+        default=4.5e-5,
+        metavar="PER_BAR",
+        help="--barostat scr: the compressibility beta_T (1/bar) setting its relaxation with --pdamp",
     )
     p.add_argument(
         "--pdamp", type=float, default=None, metavar="FS", help="barostat time scale, fs (default 1000 dt)"
@@ -209,7 +223,7 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="FILE",
         help="continue from a checkpoint (any rank count) up to --steps, which counts the whole run; "
         "give the same --thermostat/--dt/--temperature/--friction/--seed/--tdamp/--chain (and "
-        "--pressure/--barostat/--pdamp/--pchain) and potential options",
+        "--pressure/--barostat/--pdamp/--pchain/--coupling/--compressibility) and potential options",
     )
     p.add_argument(
         "--allow-changed-potential",

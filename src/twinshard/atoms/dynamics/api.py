@@ -132,13 +132,32 @@ def _integrator(
     barostat: str = "mtk",
     pdamp: float | None = None,
     pchain: int = 3,
+    coupling: str = "iso",
+    compressibility: float = 4.5e-5,
 ) -> VelocityVerlet:
     if isinstance(thermostat, VelocityVerlet):
         if pressure is not None:
-            raise ValueError("give pressure= with a thermostat name, or an IsotropicMTK integrator alone")
+            raise ValueError(
+                "give pressure= with a thermostat name, or a barostat integrator (IsotropicMTK, "
+                "StochasticCellRescaling) alone"
+            )
         return thermostat
     if pressure is not None:
-        return npt_integrator(thermostat, barostat, dt, temperature, pressure, tdamp, pdamp, chain, pchain)
+        return npt_integrator(
+            thermostat,
+            barostat,
+            dt,
+            temperature,
+            pressure,
+            tdamp,
+            pdamp,
+            chain,
+            pchain,
+            coupling=coupling,
+            compressibility=compressibility,
+            friction=friction,
+            seed=seed,
+        )
     if thermostat in ("none", "nve"):
         return VelocityVerlet(dt)
     if thermostat == "langevin":
@@ -167,6 +186,8 @@ def run_md(
     barostat: str = "mtk",
     pdamp: float | None = None,
     pchain: int = 3,
+    coupling: str = "iso",
+    compressibility: float = 4.5e-5,
     seed: int = 0,
     initial_temperature: float | None = None,
     skin: float = 1.0,
@@ -217,8 +238,13 @@ def run_md(
         pressure: NPT at this pressure (bar): ``barostat="mtk"`` (isotropic Martyna-Tobias-Klein,
             :class:`~twinshard.atoms.dynamics.integrators.IsotropicMTK`, with ``thermostat=
             "nose-hoover"``), time scale ``pdamp`` fs (default 1000 ``dt``), a barostat chain of
-            ``pchain``; the thermo rows get ``volume`` and ``pressure``, ``info`` gets
-            ``final_volume`` and ``mean_pressure``.
+            ``pchain``; or ``barostat="scr"``: stochastic cell rescaling (Bernetti-Bussi,
+            :class:`~twinshard.atoms.dynamics.scr.StochasticCellRescaling`) with any ``thermostat``
+            (``"none"``, ``"langevin"``: OBABO, ``"nose-hoover"``), ``coupling`` ``"iso"``,
+            ``"aniso"`` or ``"tri"``, relaxation ``pdamp`` fs and ``compressibility`` (1/bar), its
+            noise keyed by ``seed`` and the step; the thermo rows get ``volume`` and ``pressure``
+            (``conserved``: the effective energy), ``info`` gets ``final_volume`` and
+            ``mean_pressure``.
         dt: time step in fs.
         initial_temperature: if given, velocities are drawn from Maxwell-Boltzmann
             at this temperature (keyed by atom id and ``seed``); otherwise the
@@ -306,7 +332,19 @@ def run_md(
     if system is not None and hasattr(potential, "check_species"):  # every rank has the system here
         potential.check_species(system.numbers.unique().tolist())
     integ = _integrator(
-        thermostat, dt, temperature, friction, seed, tdamp, chain, pressure, barostat, pdamp, pchain
+        thermostat,
+        dt,
+        temperature,
+        friction,
+        seed,
+        tdamp,
+        chain,
+        pressure,
+        barostat,
+        pdamp,
+        pchain,
+        coupling,
+        compressibility,
     )
     if pressure is not None and storage == "graph":
         raise ValueError("pressure= runs with storage='halo' (graph storage keeps its cell fixed)")

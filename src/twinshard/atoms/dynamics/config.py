@@ -69,6 +69,8 @@ class MDConfig:
     barostat: str = "mtk"
     pdamp: float | None = None
     pchain: int = 3
+    coupling: str = "iso"  # --barostat scr: iso, aniso or tri
+    compressibility: float = 4.5e-5  # --barostat scr: beta_T, 1/bar
     seed: int = 0
     skin: float = 1.0
     partition: str = "spatial"
@@ -218,6 +220,10 @@ def make_integrator(cfg: MDConfig) -> VelocityVerlet:
             cfg.pdamp,
             cfg.chain,
             cfg.pchain,
+            coupling=cfg.coupling,
+            compressibility=cfg.compressibility,
+            friction=cfg.friction,
+            seed=cfg.seed,
         )
     if cfg.thermostat == "langevin":
         return Langevin(cfg.dt, cfg.temperature, cfg.friction, seed=cfg.seed)

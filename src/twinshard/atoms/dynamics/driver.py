@@ -172,8 +172,9 @@ class DistributedEngine:
     cell_can_change = property(lambda self: hasattr(self.sharded, "set_cell"))
 
     def set_cell(self, cell: torch.Tensor) -> None:
-        """A barostat's new cell, the same on every rank (no communication); the next
-        ``set_state(moved=True)`` rebuilds partition cell, halo plan and neighbour lists."""
+        """A barostat's new cell, the same on every rank (no communication); the partition follows
+        it, and the next ``set_state(moved=True)`` rebuilds the halo plan and neighbour lists when
+        the skin no longer covers the strain (the rule of ``ShardedSystem.update``)."""
         if not hasattr(self.sharded, "set_cell"):
             raise ValueError("a barostat runs with --storage halo (graph storage keeps its cell fixed)")
         self.sharded.set_cell(cell)
@@ -439,6 +440,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
         "conserved_drift": thermo.rows[-1]["conserved"] - thermo.rows[0]["conserved"],
         "pressure": cfg.pressure,
         "barostat": cfg.barostat if cfg.pressure is not None else None,
+        "coupling": cfg.coupling if cfg.pressure is not None else None,
         **npt_figures(thermo),
         "atoms_conserved": bool(torch.equal(final.ids, all_ids)),
         # the sanity bounds the run was checked against (null: no bound)

@@ -306,6 +306,11 @@ class NoseHooverChain(VelocityVerlet):
         heat = before - NoseHooverChain.energy(self) if self._rank == 0 else 0.0
         return velocities * scale, torch.tensor(heat, dtype=velocities.dtype, device=velocities.device)
 
+    def half_step(self, velocities: torch.Tensor, masses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """exp(iL_NHC dt/2) on the velocities (one ``reduce_sum``): the scaled velocities and the
+        heat (rank 0). A barostat that brings its own step composes the chain from this."""
+        return self._half_step(velocities, masses)
+
     def first(
         self,
         positions: torch.Tensor,
@@ -391,9 +396,10 @@ class IsotropicMTK(NoseHooverChain):
     scaling, the second half-step's chain reuses the one ``P_eps`` needed), so the same two
     all-reduces per step as the NVT chain. The cell goes to the engine with ``set_cell`` on every
     rank (replicated arithmetic, no communication); the positions and velocities of each rank's
-    owned atoms are scaled by the same factors. The engine rebuilds its partition, halo plan and
-    neighbour lists after every cell change (the rule: a changed cell forces a rebuild, as the
-    serial Verlet list), and atoms migrate there as the box breathes.
+    owned atoms are scaled by the same factors. The engine's partition follows the cell at once;
+    its halo plan and neighbour lists are rebuilt (and atoms migrate) only when the skin no longer
+    covers the strain and the non-affine motion since the last build
+    (:meth:`~twinshard.atoms.parallel.sharded.ShardedSystem.update`).
 
     Conserved: ``E_pot + E_kin + E_chain + E_baro_chain + p_eps^2 / (2W) + P_ext V``; each
     half-step returns minus the change of the non-particle terms as heat (rank 0 only).
@@ -604,7 +610,7 @@ class IsotropicMTK(NoseHooverChain):
             setattr(self, name, values)
 
 
-BAROSTATS = ("mtk",)  # isotropic MTK; anisotropic / triclinic and stochastic cell rescaling: not yet
+BAROSTATS = ("mtk", "scr")  # isotropic MTK; stochastic cell rescaling (iso, aniso, tri)
 
 
 def npt_integrator(
@@ -617,18 +623,46 @@ def npt_integrator(
     pdamp: float | None = None,
     chain: int = 3,
     pchain: int = 3,
-) -> IsotropicMTK:
+    *,
+    coupling: str = "iso",
+    compressibility: float = 4.5e-5,
+    friction: float = 0.01,
+    seed: int = 0,
+) -> VelocityVerlet:
     """The integrator of ``--pressure P --barostat B`` (the CLI's and ``run_md``'s). MTK couples the
-    cell to Nose-Hoover chains, so it needs ``thermostat="nose-hoover"`` (the chain is part of it)."""
+    cell to Nose-Hoover chains, so it needs ``thermostat="nose-hoover"`` (the chain is part of it)
+    and ``coupling="iso"``; stochastic cell rescaling (``scr``,
+    :class:`~twinshard.atoms.dynamics.scr.StochasticCellRescaling`) works with any thermostat and
+    couples ``iso``, ``aniso`` or ``tri``."""
     if barostat not in BAROSTATS:
         raise ValueError(
-            f"barostat must be one of {BAROSTATS} (isotropic Martyna-Tobias-Klein), got {barostat!r}; "
-            "anisotropic/triclinic coupling is not implemented yet"
+            f"barostat must be one of {BAROSTATS} (isotropic Martyna-Tobias-Klein, stochastic cell "
+            f"rescaling), got {barostat!r}"
+        )
+    if barostat == "scr":
+        from twinshard.atoms.dynamics.scr import StochasticCellRescaling
+
+        return StochasticCellRescaling(
+            dt,
+            temperature,
+            pressure,
+            thermostat=thermostat,
+            pdamp=pdamp,
+            compressibility=compressibility,
+            coupling=coupling,
+            friction=friction,
+            tdamp=tdamp,
+            chain=chain,
+            seed=seed,
+        )
+    if coupling != "iso":
+        raise ValueError(
+            f"--barostat mtk couples isotropically; for --coupling {coupling} use --barostat scr"
         )
     if thermostat != "nose-hoover":
         raise ValueError(
             f"--barostat mtk thermostats the particles with its own Nose-Hoover chain: give "
-            f"--thermostat nose-hoover with --pressure (got {thermostat!r}; a barostat for Langevin "
-            "or NVE is not implemented yet)"
+            f"--thermostat nose-hoover with --pressure (got {thermostat!r}; for Langevin or NVE "
+            "use --barostat scr)"
         )
     return IsotropicMTK(dt, temperature, pressure, tdamp, pdamp, chain, pchain)

@@ -118,7 +118,7 @@ class ShardedSystem:
         self.radius_graph = RadiusGraph()  # a plain model's edges: r < cutoff (plain_inputs.block_inputs)
         self.halo_numbers = torch.zeros(0, dtype=torch.int64)
         self._ref: torch.Tensor | None = None
-        self._cell_changed = False  # set_cell: the next update rebuilds
+        self._build_cell: torch.Tensor | None = None  # the cell of the last build (lists, plan)
         self._schema: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
 
     # ------------------------------------------------------------- scatter
@@ -358,7 +358,8 @@ class ShardedSystem:
         jumped beyond ``cutoff + skin`` (:func:`~twinshard.atoms.dynamics.sanity.check_positions`)."""
         assert self._ref is not None
         limit = self.cutoff + self.skin
-        row = sanity.position_report(self.positions, self._ref, self.ids, limit)
+        ref, _ = self._affine_reference()
+        row = sanity.position_report(self.positions, ref, self.ids, limit)
         stats = torch.cat([row, row.new_tensor([float(bool(force)), float(self.n_owned)])])[None]
         allstats = prim.all_gather(stats, 0, self.group, op="update").cpu()
         self.load = imbalance(allstats[:, -1].to(torch.int64))  # replicated: the same rows everywhere
@@ -371,8 +372,9 @@ class ShardedSystem:
         (:meth:`~twinshard.atoms.parallel.partition.SpatialPartition.with_cell`, which raises on
         every rank if the cell became too thin for the grid). The halo plan (images and ghost
         margins), the neighbour lists (Cartesian lattice shifts) and the edge-shift cache belong
-        to the old cell: the next :meth:`update` rebuilds them (migration first: owners follow the
-        fractional coordinates). Rule: a changed cell forces a rebuild, as the serial Verlet list.
+        follow the cell without a rebuild while the skin covers the strain (:meth:`update`'s rule):
+        the plan's images and the lists' integer lattice shifts do not depend on the cell, and
+        their Cartesian shifts are recomputed here from the new cell.
         """
         assert self.partition is not None
         cell = torch.as_tensor(cell).detach().to(dtype=self.cell.dtype, device=self.cell.device)
@@ -380,14 +382,41 @@ class ShardedSystem:
             return
         self.partition = self.partition.with_cell(cell)
         self.cell = cell.clone()
-        self._cell_changed = True
+        if self._edges is not None:
+            self._edges = self._at_cell(self._edges)
+        if self._half is not None:
+            self._half = self._at_cell(self._half)
+
+    def _at_cell(self, e: Edges) -> Edges:
+        """``e`` with Cartesian shifts ``cell_shifts @ cell`` of the current cell (unchanged while
+        the cell is the build's: the same bits as the list's own shifts)."""
+        if self._build_cell is None or torch.equal(self._build_cell, self.cell):
+            return e
+        shifts = e.cell_shifts.to(device=e.shifts.device, dtype=e.shifts.dtype) @ self.cell.to(e.shifts)
+        return Edges(e.senders, e.receivers, shifts, e.cell_shifts)
+
+    def _affine_reference(self) -> tuple[torch.Tensor | None, float]:
+        """(the last build's positions carried by the cell's deformation since then, ``x_ref M``
+        with ``M = cell_build^-1 cell``; the strain margin ``(cutoff + skin) (1 - sigma_min(M))``,
+        0 when the cell only grew). Replicated: every rank computes it from the same cells."""
+        ref, built = self._ref, self._build_cell
+        if ref is None or built is None or torch.equal(built, self.cell):
+            return ref, 0.0
+        m = torch.linalg.solve(built.double().cpu(), self.cell.double().cpu())
+        sigma = float(torch.linalg.svdvals(m).min())
+        return ref @ m.to(ref), max(0.0, (self.cutoff + self.skin) * (1.0 - sigma))
 
     def update(self, force: bool = False) -> bool:
         """Collective: after an integration step, migrate and rebuild if needed.
 
-        Rebuilds (migration + halo plan + neighbour list) when ``force`` on any
-        rank, after :meth:`set_cell` changed the cell, or when any atom on any rank moved more than ``skin / 2`` since the
-        last build; every rank takes the same decision from one all_gather. Returns whether
+        Rebuilds (migration + halo plan + neighbour list) when ``force`` on any rank, or when the
+        skin no longer covers what changed since the last build: with ``M = cell_build^-1 cell``
+        the cell's deformation since then and ``d`` the largest displacement of any atom on any
+        rank from its build position carried by ``M`` (``|x - x_ref M|``, the non-affine motion),
+        the rule is ``2 d + (cutoff + skin) (1 - sigma_min(M)) > skin`` (a pair at distance
+        ``r0 >= cutoff + skin`` at the build is now at least ``sigma_min(M) r0 - 2 d`` apart, so
+        ``>= cutoff`` while the rule holds; with a fixed cell it is ``d > skin / 2``). Every rank
+        takes the same decision from one all_gather (``M`` is replicated). Returns whether
         it rebuilt. Raises :class:`~twinshard.atoms.dynamics.sanity.Diverged` (a ValueError) on every rank,
         before migration and the neighbour list, if any position is NaN/inf or jumped farther
         than ``cutoff + skin`` since the last build (a diverged MD step).
@@ -399,9 +428,9 @@ class ShardedSystem:
         all_to_all per field; then the halo plan (one all_gather of boxes, two
         neighbour exchanges) and one halo forward exchange of atomic numbers.
         """
-        disp, forced = self._agree_update(force or self._cell_changed)
-        if disp > 0.5 * self.skin or forced:
-            self._cell_changed = False
+        disp, forced = self._agree_update(force)
+        _, strain = self._affine_reference()
+        if 2.0 * disp + strain > self.skin or forced:
             self._rebalance()
             self._migrate()
             self._build()
@@ -455,6 +484,7 @@ class ShardedSystem:
         # the neighbour lists are built lazily from this block, the kind a potential asks for
         self._block = self.plan.padded_positions(x, self.cell, vote=False)
         self._ref = x.clone()
+        self._build_cell = self.cell.clone()
         self.builds += 1
 
     @property
@@ -465,8 +495,8 @@ class ShardedSystem:
             t0 = time.perf_counter()
             edges = self._block_list(half=False)
             keep = edges.receivers < self.n_owned  # only owned receivers carry energy (contract)
-            self._edges = Edges(
-                edges.senders[keep], edges.receivers[keep], edges.shifts[keep], edges.cell_shifts[keep]
+            self._edges = self._at_cell(
+                Edges(edges.senders[keep], edges.receivers[keep], edges.shifts[keep], edges.cell_shifts[keep])
             )
             self.neighbor_seconds += time.perf_counter() - t0
         return self._edges
@@ -476,11 +506,13 @@ class ShardedSystem:
         self._edges = value
 
     def _block_list(self, half: bool) -> Edges:
-        """vesin on the padded block: periodic along the plan's wrap axes (edges carry the
-        integer shift there), open along the others (their images are halo rows)."""
+        """vesin on the padded block (the build's positions, so the build's cell): periodic along
+        the plan's wrap axes (edges carry the integer shift there), open along the others (their
+        images are halo rows)."""
         assert self._block is not None and self.plan is not None
         wrap = self.plan.wrap
-        cell = self.cell if any(wrap) else None
+        built = self.cell if self._build_cell is None else self._build_cell
+        cell = built if any(wrap) else None
         return neighbor_list(self._block, self.cutoff + self.skin, cell, wrap, half=half)
 
     def edge_shifts(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
