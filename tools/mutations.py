@@ -276,8 +276,8 @@ MUTATIONS: list[Mutation] = [
         "rebuild_threshold",
         "stale neighbour list",
         "atoms/parallel/sharded.py",
-        "if disp > 0.5 * self.skin or forced:",
-        "if disp > 4.0 * self.skin or forced:",
+        "if 2.0 * disp + strain > self.skin or forced:",
+        "if 0.25 * disp + strain > self.skin or forced:",
         ("tests/atoms/test_md_parity.py", "tests/atoms/test_sharded.py"),
     ),
     M(
@@ -735,8 +735,8 @@ MUTATIONS: list[Mutation] = [
         "halo_rebuild_past_whole_skin",
         "off-by-factor",
         "atoms/parallel/sharded.py",
-        "if disp > 0.5 * self.skin or forced:",
-        "if disp > self.skin or forced:",
+        "if 2.0 * disp + strain > self.skin or forced:",
+        "if disp + strain > self.skin or forced:",
         ("tests/atoms/test_rebuild.py",),
     ),
     M(
