@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -119,6 +120,21 @@ def test_trunk_train_step_matches_serial(capsys):
     assert all(v > 0 for v in out["peak_memory_bytes_per_rank"] + out["ledger_bytes_per_rank"])
 
 
+@pytest.mark.parametrize("mode", ["bf16-mixed", "bf16"])
+@pytest.mark.parametrize("what", ["--pairformer-only", "--train-step", "whole"])
+def test_trunk_precision_modes(what, mode, capsys):
+    """``--precision`` reaches every mode of the command: the JSON names it and its parameter dtype,
+    the CP run and the serial check in the same mode both ran and report finite errors (fp64 is
+    the parity mode; the bf16 figures are reported, not gated)."""
+    extra = [] if what == "whole" else [what, "--layers", "1"]
+    argv = ["trunk", "--tokens", "7", "--grid", "2x2", "--check-serial", "--precision", mode, "--json"]
+    assert main(argv + (TRUNK_SMALL if what == "whole" else SMALL) + extra) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["precision"] == mode and out["dtype"] == ("bfloat16" if mode == "bf16" else "float32")
+    err = out["max_abs_error_out"] if "max_abs_error_out" in out else out["errors"]["s"]["max_abs"]
+    assert err is not None and math.isfinite(err), err
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -127,6 +143,7 @@ def test_trunk_train_step_matches_serial(capsys):
         (["--single-channels", "6", "--heads", "4", "--pairformer-only"], "multiple of --heads"),
         (["--atoms-per-token", "30"], "at most 24"),
         (["--msa", "0"], "--msa must be an integer >= 1"),
+        (["--dtype", "float64", "--precision", "bf16"], "contradicts --precision bf16"),
     ],
 )
 def test_trunk_option_errors(extra, message, capsys):

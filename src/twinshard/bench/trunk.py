@@ -50,6 +50,7 @@ from twinshard.bench.whole_trunk import add_trunk_options
 from twinshard.comm import CommLedger
 from twinshard.comm.ledger import BYTES_MODEL
 from twinshard.pair.layers.contraction import schedule_name
+from twinshard.pair.precision import MODES, dtype_default, run_in_mode
 from twinshard.runtime import get_world, make_grid, reports, run_ranks
 
 __all__ = ["add_parser", "run", "trunk_rank", "summarise"]
@@ -82,7 +83,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="activation checkpointing per layer (Pairformer, MSA and template blocks)",
     )
-    p.add_argument("--dtype", choices=("float64", "float32"), default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=("float64", "float32"),
+        default=None,
+        help="parameter and activation dtype (the older option; --precision says more)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=MODES,
+        default=None,
+        help="fp32 (default), tf32, bf16 (weights and activations), bf16-mixed (autocast, Boltz's fp32 "
+        "regions kept), fp64; the serial check runs in the same mode",
+    )
     p.add_argument("--single-channels", type=int, default=64, help="c_s (token_s)")
     p.add_argument("--pair-channels", type=int, default=32, help="c_z (token_z)")
     p.add_argument("--heads", type=int, default=4, help="heads of the attention with pair bias")
@@ -449,16 +462,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = parse_grid(args.grid)
     if args.tokens < 1:
         raise ValueError("--tokens must be positive")
+    mode = dtype_default(args.dtype, getattr(args, "precision", None), "fp32")
+    args.precision, args.dtype = mode.name, str(mode.param_dtype).removeprefix("torch.")
     if not (getattr(args, "pairformer_only", False) or getattr(args, "train_step", False)):
         return run_whole(args, shape)
     cfg = config(args)
     cfg["train_step"] = bool(getattr(args, "train_step", False))
     call = (args.tokens, shape, cfg, args.dtype, bool(args.check_serial), args.seed)
     fn = train_rank if cfg["train_step"] else trunk_rank
-    ranks = run_ranks(fn, shape[0] * shape[1], *call, option="--grid", deadline=args.timeout)
+    ranks = run_ranks(
+        run_in_mode, shape[0] * shape[1], args.precision, fn, *call, option="--grid", deadline=args.timeout
+    )
     if not reports():  # rank 0 of the world summarises and prints
         return {}
-    result = summarise(args.tokens, shape, cfg, args, ranks)
+    result = summarise(args.tokens, shape, cfg, args, ranks) | {"precision": args.precision}
     if not getattr(args, "json", False):
         for k, v in result.items():
             if not isinstance(v, list):
@@ -480,10 +497,12 @@ def run_whole(args: argparse.Namespace, shape: tuple[int, int]) -> dict[str, Any
     nranks = shape[0] * shape[1]
     threads = max(1, min(nranks, os.cpu_count() or 1))
     call = (args.tokens, shape, o, args.dtype, bool(args.check_serial), args.seed, args.repeats, 0, threads)
-    ranks = run_ranks(W.whole_rank, nranks, *call, option="--grid", deadline=args.timeout)
+    ranks = run_ranks(
+        run_in_mode, nranks, args.precision, W.whole_rank, *call, option="--grid", deadline=args.timeout
+    )
     if not reports():
         return {}
-    result = W.summarise(args.tokens, shape, o, args.dtype, ranks, threads)
+    result = W.summarise(args.tokens, shape, o, args.dtype, ranks, threads) | {"precision": args.precision}
     if not getattr(args, "json", False):
         for k, v in result.items():
             if not isinstance(v, (list, dict)):

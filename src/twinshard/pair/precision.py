@@ -41,7 +41,7 @@ from torch import nn
 from twinshard.comm.amp import autocast_on
 from twinshard.runtime.agree import agree_scalars
 
-__all__ = ["MODES", "Precision", "dtype_default", "precision"]
+__all__ = ["MODES", "Precision", "dtype_default", "precision", "run_in_mode"]
 
 MODES = ("fp64", "fp32", "tf32", "bf16", "bf16-mixed")
 
@@ -133,3 +133,12 @@ def dtype_default(dtype_name: str | None, precision_name: str | None, default: s
             f"{str(mode.param_dtype).removeprefix('torch.')}): pass --precision alone"
         )
     return mode
+
+
+def run_in_mode(mode_name: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` inside the scope of the mode ``mode_name`` (agreed over the world first): the
+    rank body of a command run with ``runtime.run_ranks(run_in_mode, n, mode, body, ...)``."""
+    from twinshard.runtime import get_world
+
+    with precision(mode_name).scope(get_world().device.type, what=getattr(fn, "__name__", "rank body")):
+        return fn(*args)
