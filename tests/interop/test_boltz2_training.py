@@ -198,7 +198,9 @@ def vjp_grads(model, out: dict, seed: int) -> dict:
     """Gradients of ``<w, denoised_atom_coords>`` (a seeded random ``w``) by parameter name."""
     x = out["denoised_atom_coords"]
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed), dtype=x.dtype)
-    params = [(n, p) for n, p in model.named_parameters() if n.startswith("structure_module.") and p.requires_grad]
+    params = [
+        (n, p) for n, p in model.named_parameters() if n.startswith("structure_module.") and p.requires_grad
+    ]
     gs = torch.autograd.grad((x * w).sum(), [p for _, p in params], allow_unused=True, retain_graph=True)
     return {n: g for (n, _), g in zip(params, gs)}
 
@@ -262,7 +264,9 @@ def test_serial_training_step_vs_boltz2(c):
     got = run.step(features(c), draws=GivenDraws(draws_fn))
     out = got["out"]
     assert got["recycling_steps"] == (
-        c["recycling"] if c["fixed_recycling"] else int(np.random.default_rng(0).integers(0, c["recycling"] + 1))
+        c["recycling"]
+        if c["fixed_recycling"]
+        else int(np.random.default_rng(0).integers(0, c["recycling"] + 1))
     )
     what = f"Boltz2Training {c}"
     assert_parity(got["loss"], loss_t.detach(), what=f"{what} loss vs Boltz2.training_step")
@@ -288,7 +292,9 @@ def test_serial_training_step_vs_boltz2(c):
     names_o = {id(p): n for n, p in ours.named_parameters()}
     groups_o = [[names_o[id(p)] for p in g["params"]] for g in run.optimizer.param_groups]
     assert groups_o == [[names_t[i] for i in g] for g in groups_t]
-    assert [g["weight_decay"] for g in run.optimizer.param_groups] == [g["weight_decay"] for g in opt_t.param_groups]
+    assert [g["weight_decay"] for g in run.optimizer.param_groups] == [
+        g["weight_decay"] for g in opt_t.param_groups
+    ]
 
 
 def _rank(grid, c):
@@ -313,7 +319,11 @@ CP_CASES = [
 def test_cp_training_step_vs_boltz2(grid, c):
     theirs = boltz_model(c)
     loss_t, sout_t = boltz_step(theirs, features(c), c)
-    rec = c["recycling"] if c["fixed_recycling"] else int(np.random.default_rng(0).integers(0, c["recycling"] + 1))
+    rec = (
+        c["recycling"]
+        if c["fixed_recycling"]
+        else int(np.random.default_rng(0).integers(0, c["recycling"] + 1))
+    )
     zero = zero_grads(theirs, features(c), rec)
     loss_t.backward()
     opt_t = theirs.configure_optimizers()

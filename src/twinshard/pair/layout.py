@@ -211,9 +211,12 @@ def atom_tile_shape(layout: PairLayout, kind: str) -> tuple[int, int, int | None
             "atom_to_token) through twinshard.pair.features.distribute"
         )
     b, a, n = len(layout.atom_starts), layout.atom_block, layout.padded[0] // layout.grid_shape[0]
-    return {"atom": (b, a, None), "atom_token": (b, a, n), "token_atom": (b, n, a), "atom_conf": (b, a, None)}[
-        kind
-    ]
+    return {
+        "atom": (b, a, None),
+        "atom_token": (b, a, n),
+        "token_atom": (b, n, a),
+        "atom_conf": (b, a, None),
+    }[kind]
 
 
 def _check_atom_fits(x: DTensor, layout: PairLayout, kind: str, what: str) -> None:

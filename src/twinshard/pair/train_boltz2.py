@@ -106,7 +106,9 @@ class TrainingArgs:
 
     def __post_init__(self):
         if self.bfactor_loss_weight:
-            raise NotImplementedError("TrainingArgs: the B-factor loss is not supported (bfactor_loss_weight 0)")
+            raise NotImplementedError(
+                "TrainingArgs: the B-factor loss is not supported (bfactor_loss_weight 0)"
+            )
         if self.symmetry_correction:
             raise NotImplementedError("TrainingArgs: symmetry_correction is not supported (set it False)")
         if self.lr_scheduler not in (None, "", "none"):
@@ -120,7 +122,13 @@ class TrainingArgs:
         ta = dict(hparams.get("training_args") or {})
         names = {f.name for f in fields(cls)}
         got = {k: v for k, v in ta.items() if k in names}
-        for k in ("no_random_recycling_training", "use_ema", "ema_decay", "alpha_pae", "token_level_confidence"):
+        for k in (
+            "no_random_recycling_training",
+            "use_ema",
+            "ema_decay",
+            "alpha_pae",
+            "token_level_confidence",
+        ):
             if k in hparams:
                 got[k] = hparams[k]
         if hparams.get("diffusion_loss_args") is not None:
@@ -163,7 +171,15 @@ def dropout_seed(seed: int, global_step: int) -> int:
 
 # -- the optimizer ------------------------------------------------------------------------------
 
-_NODECAY = ("norm", "rel_pos", ".s_init", ".z_init_", "token_bonds", "embed_atom_features", "dist_bin_pairwise_embed")
+_NODECAY = (
+    "norm",
+    "rel_pos",
+    ".s_init",
+    ".z_init_",
+    "token_bonds",
+    "embed_atom_features",
+    "dist_bin_pairwise_embed",
+)
 
 
 def nodecay_names(names: list[str]) -> list[str]:
@@ -202,7 +218,11 @@ class EMA:
     ``ema -= (1 - decay) (ema - weight)``. ``state_dict()`` is ``{"cur_step", "ema_weights"}``."""
 
     def __init__(
-        self, decay: float = 0.999, apply_ema_every_n_steps: int = 1, start_step: int = 0, warm_start: bool = True
+        self,
+        decay: float = 0.999,
+        apply_ema_every_n_steps: int = 1,
+        start_step: int = 0,
+        warm_start: bool = True,
     ):
         if not 0 <= decay <= 1:
             raise ValueError("EMA decay value must be between 0 and 1")
@@ -262,7 +282,9 @@ def distogram_term(model: nn.Module, out: Mapping[str, Any], feats: Mapping[str,
     return {"loss": loss, "loss_breakdown": {}}
 
 
-def structure_compute_loss(model: nn.Module, out: Mapping[str, Any], feats: Mapping[str, Any], args: TrainingArgs):
+def structure_compute_loss(
+    model: nn.Module, out: Mapping[str, Any], feats: Mapping[str, Any], args: TrainingArgs
+):
     """The diffusion loss hook: ``model.structure_module.compute_loss(feats_train, out,
     multiplicity=diffusion_multiplicity, **diffusion_loss_args)`` (Boltz's call)."""
     return model.structure_module.compute_loss(
@@ -405,7 +427,9 @@ class Boltz2Training:
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         for k, v in state.items():
             if isinstance(v, DTensor):
-                raise TypeError(f"checkpoint entry {k!r} is a DTensor: parameters must be replicated plain tensors")
+                raise TypeError(
+                    f"checkpoint entry {k!r} is a DTensor: parameters must be replicated plain tensors"
+                )
         hp = dict(self.hparams or {})
         hp["training_args"] = {**dict(hp.get("training_args") or {}), **self.args.as_training_args()}
         for k in ("no_random_recycling_training", "use_ema", "ema_decay"):

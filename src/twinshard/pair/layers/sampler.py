@@ -130,7 +130,12 @@ class CPAtomDiffusion(AtomDiffusion):
         local = coords.to_local()
         mask = feats["atom_pad_mask"].to_local().repeat_interleave(m, 0).to(local.dtype)
         frame = atom_frame(layout, grid.coords[0], m, local.device)
-        kwargs = {"s_inputs": s_inputs, "s_trunk": s_trunk, "feats": feats, "diffusion_conditioning": diffusion_conditioning}
+        kwargs = {
+            "s_inputs": s_inputs,
+            "s_trunk": s_trunk,
+            "feats": feats,
+            "diffusion_conditioning": diffusion_conditioning,
+        }
         self._grid, self._layout = grid, layout
         try:
             out = self._train(local, mask, frame, m, draws, kwargs)

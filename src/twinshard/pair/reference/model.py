@@ -256,9 +256,7 @@ class Boltz2Model(Boltz2Trunk):
             )
         feats_train = self.with_feature(feats, "coords", self.training_coords(coords, m))
         result.update(
-            self.structure_module(
-                s_inputs, s, feats_train, conditioning, m, draws=draws, seed=seed
-            )
+            self.structure_module(s_inputs, s, feats_train, conditioning, m, draws=draws, seed=seed)
         )
         result["feats_train"] = feats_train
         if self.model_config.confidence_prediction:

@@ -98,7 +98,12 @@ SAMPLER_STREAMS = {"init": 0x44494630, "rotation": 0x44494652, "translation": 0x
 # noise ``[B m, A, 3]`` (ASCII "TRNS", "TRNR", "TRNT", "TRNN"); step 0
 TRAIN_DRAW_KINDS = ("sigma", "aug_rotation", "aug_translation", "train_noise")
 SAMPLER_STREAMS.update(
-    {"sigma": 0x54524E53, "aug_rotation": 0x54524E52, "aug_translation": 0x54524E54, "train_noise": 0x54524E4E}
+    {
+        "sigma": 0x54524E53,
+        "aug_rotation": 0x54524E52,
+        "aug_translation": 0x54524E54,
+        "train_noise": 0x54524E4E,
+    }
 )
 _ATOM_DRAWS = ("init", "noise", "train_noise")
 
@@ -133,7 +138,16 @@ class CounterDraws:
             comp = torch.arange(3, device=device)
             idx = atoms.to(device=device, dtype=torch.int64)[..., None] * 3 + comp
             # the global atom index keys the draw (the serial numbers on any grid)
-            return normal(self.seed, stream, rows[:, None, None], int(step), idx, dtype=dtype, device=device, block=block)
+            return normal(
+                self.seed,
+                stream,
+                rows[:, None, None],
+                int(step),
+                idx,
+                dtype=dtype,
+                device=device,
+                block=block,
+            )
         if kind in ("rotation", "aug_rotation"):
             return normal(
                 self.seed,
@@ -146,7 +160,9 @@ class CounterDraws:
                 block=block,
             )
         comp = torch.arange(3, device=device)[None, None, :]
-        return normal(self.seed, stream, rows[:, None, None], int(step), comp, dtype=dtype, device=device, block=block)
+        return normal(
+            self.seed, stream, rows[:, None, None], int(step), comp, dtype=dtype, device=device, block=block
+        )
 
 
 class GivenDraws:
@@ -451,7 +467,9 @@ class AtomDiffusion(nn.Module):
         sigmas = self.sigma_data * (self.P_mean + self.P_std * eps).exp()
         with torch.no_grad():  # center_random_augmentation: the mean over the real atoms (atom mask)
             w = atom_mask[..., None]
-            x = frame.mask(coords - self._atom_sum(coords * w, frame)[:, None] / self._atom_sum(w, frame)[:, None])
+            x = frame.mask(
+                coords - self._atom_sum(coords * w, frame)[:, None] / self._atom_sum(w, frame)[:, None]
+            )
             if self.coordinate_augmentation:
                 rot = quaternion_rotation(draw("aug_rotation", (rows_n, 4)))
                 x = frame.mask(torch.einsum("bmd,bds->bms", x, rot) + draw("aug_translation", (rows_n, 1, 3)))
@@ -497,7 +515,12 @@ class AtomDiffusion(nn.Module):
             a,
         )
         draws = CounterDraws(seed) if draws is None else draws
-        kwargs = {"s_inputs": s_inputs, "s_trunk": s_trunk, "feats": feats, "diffusion_conditioning": diffusion_conditioning}
+        kwargs = {
+            "s_inputs": s_inputs,
+            "s_trunk": s_trunk,
+            "feats": feats,
+            "diffusion_conditioning": diffusion_conditioning,
+        }
         return self._train(coords, mask, frame, m, draws, kwargs)
 
     @torch.no_grad()
