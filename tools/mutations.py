@@ -1247,6 +1247,47 @@ MUTATIONS: list[Mutation] = [
         '    hp.setdefault("diffusion_process_args", dict(BOLTZ2_DIFFUSION_PARAMS))',
         ("tests/cli/test_predict.py::test_predict_checkpoint",),
     ),
+    # -- the whole-model training step (issue 20 section 4)
+    M(
+        "train_noise_local_atom_index",
+        "a sample's training noise keyed by the local atom index",
+        "pair/reference/sampler.py",
+        "atoms = frame.atoms  # global atom indices: the noise of an atom is the serial one on any grid",
+        "atoms = torch.arange(frame.atoms.shape[1], device=dev).expand_as(frame.atoms)",
+        ("tests/pair/test_train_boltz2.py::test_cp_step_matches_serial",),
+    ),
+    M(
+        "train_sigma_not_synchronized",
+        "noise level drawn per sample, not per element",
+        "pair/reference/sampler.py",
+        'eps = draw("sigma", (b,), torch.arange(b, device=dev)).repeat_interleave(m, 0)',
+        'eps = draw("sigma", (rows_n,))',
+        ("tests/pair/test_train_boltz2.py::test_sigmas_synchronized",),
+    ),
+    M(
+        "train_ema_before_optimizer_step",
+        "EMA averages the weights before the update",
+        "pair/train_boltz2.py",
+        "        self.optimizer.step()",
+        "        self.ema.update(model, self.global_step + 1) if self.ema else None\n        self.optimizer.step()",
+        ("tests/pair/test_train_boltz2.py::test_ema_follows_the_optimizer_step",),
+    ),
+    M(
+        "train_last_cycle_grad_dropped",
+        "the structure module's gradient into the trunk's last cycle dropped",
+        "pair/reference/model.py",
+        's_inputs, s, z = out["s_inputs"], out["s"], out["z"]  # the last cycle\'s, with gradients',
+        's_inputs, s, z = out["s_inputs"], out["s"].detach(), out["z"].detach()',
+        ("tests/pair/test_train_boltz2.py::test_structure_gradient_reaches_trunk",),
+    ),
+    M(
+        "train_checkpoint_without_ema",
+        "checkpoint missing the EMA state",
+        "pair/train_boltz2.py",
+        "if self.ema is not None and self.ema.ema_weights is not None:",
+        "if False:",
+        ("tests/pair/test_train_boltz2.py::test_resume_equals_uninterrupted",),
+    ),
 ]
 
 

@@ -225,7 +225,7 @@ class Boltz2Model(Boltz2Trunk):
         if self.model_config.confidence_prediction and k != 1:
             raise ValueError(f"{name}: confidence training supports one conformer (K = 1), got K = {k}")
         out = self.run_trunk(feats, recycling_steps, dropout_seed, keep_rel_pos=True)
-        s_inputs, s, z = out["s_inputs"], out["s"], out["z"]
+        s_inputs, s, z = out["s_inputs"], out["s"], out["z"]  # the last cycle's, with gradients
         q, c, to_keys, atom_enc_bias, atom_dec_bias, token_trans_bias = self.diffusion_conditioning(
             s, z, out["relative_position_encoding"], feats
         )
