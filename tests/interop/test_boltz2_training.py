@@ -339,3 +339,64 @@ def test_cp_training_step_vs_boltz2(grid, c):
             assert_parity(coll[k], sout_t[k].detach(), what=f"{what} rank {r} {k}", grid=g)
         check_grads_and_update(grads, params, grads_t, params_t, zero, f"{what} rank {r}", g)
     assert_replicated([p for *_, p in ranks], "updated parameters")
+
+
+def test_checkpoint_round_trip_with_boltz2(tmp_path):
+    """Our checkpoint after a step loads strict into boltz's ``Boltz2`` (``load_state_dict``), its
+    AdamW (``configure_optimizers().load_state_dict``) and its EMA callback (``on_load_checkpoint``
+    reads ``"ema"``); and a checkpoint written from boltz's side (the model's ``state_dict``, its
+    AdamW after a step, the EMA callback's ``state_dict`` under ``"ema"`` and ``callbacks``) loads
+    into ``Boltz2Training`` with every tensor equal."""
+    from boltz.model.optim.ema import EMA as BoltzEMA
+
+    c = dict(n=9, m=1, recycling=1, fixed_recycling=True, seed=3)
+    theirs = boltz_model(c)
+    ours = Boltz2Model(ModelConfig.from_hparams(theirs.hparams)).to(F64)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    run = Boltz2Training(ours, training_args(c), seed=0, hparams=theirs.hparams)
+    run.step(features(c), draws=GivenDraws(draws_fn))
+    path = tmp_path / "ours.ckpt"
+    run.save(path)
+    ckpt = torch.load(path, weights_only=False)
+    theirs.load_state_dict(ckpt["state_dict"], strict=True)
+    opt_t = theirs.configure_optimizers()
+    opt_t.load_state_dict(ckpt["optimizer_states"][0])
+    ema_t = BoltzEMA(0.999)
+    ema_t.on_load_checkpoint(None, theirs, ckpt)
+    assert ema_t._cur_step == 1  # noqa: SLF001 - boltz's callback state
+    for k, v in ours.state_dict().items():
+        assert torch.equal(theirs.state_dict()[k], v), k
+        assert torch.equal(ema_t._ema_weights[k], run.ema.ema_weights[k]), k  # noqa: SLF001
+    st_o, st_t = run.optimizer.state_dict(), opt_t.state_dict()
+    assert st_o["param_groups"] == st_t["param_groups"]
+    for i, s in st_o["state"].items():
+        for k, v in s.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(st_t["state"][i][k])), (i, k)
+    # boltz-written -> ours: perturb boltz's weights, optimizer and EMA, write Lightning's layout
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(0.01)
+    for s in opt_t.state.values():
+        s["exp_avg"].mul_(2.0)
+    ema_t._cur_step = 5  # noqa: SLF001
+    ckpt_t = {
+        "epoch": 0,
+        "global_step": 5,
+        "state_dict": theirs.state_dict(),
+        "optimizer_states": [opt_t.state_dict()],
+        "lr_schedulers": [],
+        "callbacks": {"EMA": ema_t.state_dict()},
+        "ema": ema_t.state_dict(),
+        "hyper_parameters": dict(theirs.hparams),
+    }
+    torch.save(ckpt_t, tmp_path / "boltz.ckpt")
+    fresh = Boltz2Training(Boltz2Model(ModelConfig.from_hparams(theirs.hparams)).to(F64), training_args(c))
+    fresh.load(tmp_path / "boltz.ckpt")
+    assert fresh.global_step == 5 and fresh.ema.cur_step == 5
+    for k, v in theirs.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[k], v), k
+    for i, s in opt_t.state_dict()["state"].items():
+        for k, v in s.items():
+            assert torch.equal(
+                torch.as_tensor(v), torch.as_tensor(fresh.optimizer.state_dict()["state"][i][k])
+            )
