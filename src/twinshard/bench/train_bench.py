@@ -41,7 +41,13 @@ def _structure_mse(model, out, feats, args):
 
 
 def train_rank(
-    tokens: int, grid_shape: tuple[int, int], o: dict[str, Any], dtype_name: str, steps: int, samples: int, seed: int
+    tokens: int,
+    grid_shape: tuple[int, int],
+    o: dict[str, Any],
+    dtype_name: str,
+    steps: int,
+    samples: int,
+    seed: int,
 ) -> dict[str, Any]:
     """Run on every rank of a world of rows x cols ranks; returns this rank's figures."""
     import time
@@ -79,7 +85,7 @@ def train_rank(
     mine: dict[str, Any] = {"peak": peak, "seconds": time.perf_counter() - t0, "atoms": fd.layout.n_atoms}
     loss = float(got["loss"])
     params = {n: p.detach().clone() for n, p in cp.named_parameters()}
-    del got, run
+    del got
     if grid.rank != 0:
         return mine
     serial = serial.to(device)
@@ -98,7 +104,9 @@ def train_rank(
     return mine
 
 
-def run_train_bench(args: argparse.Namespace, shapes: list[tuple[int, int]], tokens: list[int]) -> dict[str, Any]:
+def run_train_bench(
+    args: argparse.Namespace, shapes: list[tuple[int, int]], tokens: list[int]
+) -> dict[str, Any]:
     from twinshard.bench import whole_trunk as W
 
     o = W.options(args, msa=args.sequences)
@@ -139,7 +147,14 @@ def run_train_bench(args: argparse.Namespace, shapes: list[tuple[int, int]], tok
     out = {"op": "train", "runs": runs}
     if not getattr(args, "json", False):
         for r in runs:
-            keys = ("tokens", "grid", "atoms", "peak_ratio_vs_serial_over_p", "seconds_per_rank", "serial_seconds")
+            keys = (
+                "tokens",
+                "grid",
+                "atoms",
+                "peak_ratio_vs_serial_over_p",
+                "seconds_per_rank",
+                "serial_seconds",
+            )
             print(" ".join(f"{k}={r[k]}" for k in keys))
     print(json.dumps(out))
     return out
