@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "TRAINING_FEATURES",
     "ATOM_NAME_CHARS",
     "ATOM_NAME_CLASSES",
     "CONTRACT",
@@ -306,6 +307,9 @@ _SPECS: tuple[FeatureSpec, ...] = (
 # fmt: on
 
 CONTRACT: dict[str, FeatureSpec] = {s.name: s for s in _SPECS}
+# the training targets (the whole-model training step): not inputs of the forward, not made by
+# synthetic_complex (twinshard.pair.train_boltz2.training_targets makes them)
+TRAINING_FEATURES = ("coords", "disto_target", "token_disto_mask")
 
 TEMPLATE_FEATURES = tuple(s.name for s in _SPECS if s.kind == "template")
 MSA_FEATURES = ("msa", "has_deletion", "deletion_value", "msa_paired", "msa_mask")
