@@ -1171,6 +1171,58 @@ MUTATIONS: list[Mutation] = [
         "x_cols = x_rows",
         ("tests/pair/test_confidence_cp.py::test_cp_confidence_matches_serial[2x2-B2-N11-m1]",),
     ),
+    # -- the confidence losses (issue 20 section 4)
+    M(
+        "closs_pae_partial_axis",
+        "PAE/PDE per-sample sums reduced over a partial grid axis (the grid row) instead of the grid",
+        "pair/layers/confidence_loss.py",
+        'pair_sums = replicated_sum(torch.stack(pair), None, "confidence_loss:pair_sums")',
+        'pair_sums = replicated_sum(torch.stack(pair), grid.row_group, "confidence_loss:pair_sums")',
+        (
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B2-N11-m1-pae1.0]",
+        ),
+    ),
+    M(
+        "closs_nucleotide_cutoff_15",
+        "lDDT inclusion radius 15 A for nucleotide R-set atoms (Boltz: 30 A)",
+        "pair/layers/confidence_loss.py",
+        "cutoff = 15 + 15 * nuc_c[:, None, :]",
+        "cutoff = 15 + 0 * nuc_c[:, None, :]",
+        (
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B2-N11-m1-pae1.0]",
+        ),
+    ),
+    M(
+        "closs_lddt_local_columns",
+        "per-token lDDT sums over the local R-set columns only (no sum along the grid row)",
+        "pair/layers/confidence_loss.py",
+        "sums = _ordered_sum(",
+        "sums = (lambda part, group, op: part)(",
+        (
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B2-N11-m1-pae1.0]",
+        ),
+    ),
+    M(
+        "closs_pred_frame_mask_dropped",
+        "PAE pair mask without the predicted frames' validity (collinear predicted frames counted)",
+        "pair/layers/confidence_loss.py",
+        "row_mask = frm * ok_t * ok_p * pad",
+        "row_mask = frm * ok_t * pad",
+        (
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B2-N11-m1-pae1.0]",
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B1-N20-m3-pae1.0]",
+        ),
+    ),
+    M(
+        "closs_resolved_pad_off",
+        "resolved loss averaged over every token row, Boltz's padding tokens included",
+        "pair/layers/confidence_loss.py",
+        'w_res = t["pad"].to(ct)',
+        'w_res = torch.ones_like(t["pad"]).to(ct)',
+        (
+            "tests/pair/test_confidence_loss_cp.py::test_cp_confidence_loss_matches_serial[2x2-B2-N11-m1-pae1.0]",
+        ),
+    ),
     # -- the whole Boltz-2 inference forward (issue 20)
     M(
         "model_confidence_sample_mispaired",
@@ -1287,6 +1339,47 @@ MUTATIONS: list[Mutation] = [
         "if self.ema is not None and self.ema.ema_weights is not None:",
         "if False:",
         ("tests/pair/test_train_boltz2.py::test_resume_equals_uninterrupted",),
+    ),
+    M(
+        "storage_factory_drops_balance",
+        "an option lost in the one storage factory",
+        "atoms/parallel/storage.py",
+        "source, src, cutoff=cutoff, skin=skin, group=group, partition=partition, balance=balance, dtype=dtype",
+        "source, src, cutoff=cutoff, skin=skin, group=group, partition=partition, balance=None, dtype=dtype",
+        ("tests/atoms/test_balance.py::test_run_md_balance_equals_unbalanced_run",),
+    ),
+    M(
+        "storage_graph_path_for_halo",
+        "the evaluation path picked for the wrong storage type",
+        "atoms/parallel/distributed.py",
+        "        if isinstance(sharded, GraphSharded):  # per-system results",
+        "        if not isinstance(sharded, GraphSharded):  # per-system results",
+        ("tests/atoms/test_storage.py",),
+    ),
+    # -- precision modes: dtype paths audited per Function (issue 21, s. 1)
+    M(
+        "wire_in_autocast_dtype_on_one_rank",
+        "a buffer sent in the autocast dtype on one rank only",
+        "pair/layers/moves.py",
+        "    wire = _wire(x.dtype)",
+        '    wire = torch.get_autocast_dtype("cpu") if torch.distributed.get_rank() == 1 and x.is_floating_point() else _wire(x.dtype)',
+        ("tests/pair/test_dtype_paths.py::test_dtype_paths[2x2-trunk-fp32-fp32-plain]",),
+    ),
+    M(
+        "softmax_without_fp32_cast",
+        "the triangle-attention operands not cast back to fp32 before the softmax",
+        "pair/layers/triangle_attention.py",
+        "q, k, v, bias, mb = (t.to(ct) for t in (q, k, v, bias, mb))",
+        "q, k, v, bias, mb = (t for t in (q, k, v, bias, mb))",
+        ("tests/pair/test_dtype_paths.py::test_compute_functions_do_math_in_fp32[1x1]",),
+    ),
+    M(
+        "gradient_all_reduce_in_bf16",
+        "sums over ranks carried in the payload's dtype (a bf16 gradient all-reduced in bf16)",
+        "comm/primitives.py",
+        'buf = x.to(_audit_collective(op, reduce_dtype(x.dtype), group, "all_reduce"))',
+        'buf = x.to(_audit_collective(op, x.dtype, group, "all_reduce"))',
+        ("tests/pair/test_dtype_paths.py::test_dtype_paths[2x2-trunk-bf16-fp32-plain]",),
     ),
 ]
 

@@ -54,3 +54,24 @@ def test_unreadable_files(tmp_path):
         read(weird)
     with pytest.raises(StructureReadError, match="directory"):
         read(tmp_path)
+
+
+def test_as_system_is_the_one_input_path(tmp_path):
+    """``as_system``: a System (cast on request), an ``ase.Atoms``, a file path all give the same
+    System; ``None`` and other types raise naming what to give."""
+    from twinshard.atoms.data import structures
+    from twinshard.atoms.data.io import as_system, write
+
+    s = structures.lj_mixture(12)
+    path = tmp_path / "s.extxyz"
+    write(path, s)
+    from_file = read(path)  # the file holds the text's precision: compared with read's System
+    for source, want in ((s, s), (s.to_ase(), s), (str(path), from_file), (path, from_file)):
+        got = as_system(source)
+        assert torch.equal(got.numbers, want.numbers)
+        assert torch.equal(got.positions, want.positions) and torch.equal(got.cell, want.cell)
+    assert as_system(s, torch.float32).dtype == torch.float32
+    with pytest.raises(ValueError, match="run_md's system: passed None; give a System"):
+        as_system(None, what="run_md's system")
+    with pytest.raises(TypeError, match="cannot use a int"):
+        as_system(3)

@@ -270,3 +270,35 @@ def test_errors_and_factory():
     assert res.stress is None and res.forces.shape == (6, 3)
     r = energy_forces_stress(LennardJones(), graph_from_system(o, 8.5), volume=None)
     torch.testing.assert_close(r.forces, res.forces)
+
+
+def test_one_factory_builds_every_kind(tmp_path):
+    """``make_potential`` is the one factory (md, validate, the benches): the plain MPNN has the
+    hook MPNN's draws, a model file loads into it, the default MACE knows the structure's species
+    (argon included), a saved MACE that does not raises naming them; options of another kind
+    raise."""
+    from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
+
+    hook = make_potential("mpnn", species=[18, 36], seed=4)
+    plain = make_potential("mpnn", species=[18, 36], plain=True, seed=4)
+    assert isinstance(plain, PlainMessagePassing)
+    for (n, a), (m, b) in zip(hook.state_dict().items(), plain.state_dict().items()):
+        assert n == m and torch.equal(a, b), n
+    f = tmp_path / "mpnn.pt"
+    other = make_potential("mpnn", species=[18, 36], plain=True, seed=5)
+    torch.save(other.state_dict(), f)
+    loaded = make_potential("mpnn", species=[18, 36], plain=True, seed=4, model=str(f))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), other.state_dict().values()))
+    with pytest.raises(ValueError, match="model file is an option of the mpnn and mace"):
+        make_potential("lj", model=str(f))
+    with pytest.raises(ValueError, match="plain-PyTorch form"):
+        make_potential("lj", plain=True)
+    pytest.importorskip("mace")
+    mace = make_potential("mace", species=[18])
+    assert 18 in mace.species and 1 in mace.species
+    saved = tmp_path / "mace.model"
+    torch.save(make_potential("mace").model, saved)
+    with pytest.raises(ValueError, match=r"no parameters for atomic numbers \[18\]"):
+        make_potential("mace", species=[18], model=str(saved))
+    with pytest.raises(ValueError, match="takes no options"):
+        make_potential("mace", cutoff=4.0)

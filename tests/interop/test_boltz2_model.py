@@ -19,8 +19,8 @@ tokens: every entry of every output is compared.
   four confidence logits, ``plddt``, ``pae``, ``pde``, complex pLDDT / ipLDDT / PDE / iPDE, pTM,
   ipTM, ligand / protein ipTM and every per-chain-pair ipTM at round-off; 1 and 3 samples (3 in
   Boltz's chunks of ``max_parallel_samples`` 2), recycling 0 and 1, 3 sampling steps.
-- ``test_cp_model_vs_boltz2``: ``cp_model_of(model)`` (the whole ``state_dict`` strict) on 1x1, 2x2
-  and 2x3, uneven N and A, 1 and 3 samples, recycling 0 and 1: the same outputs, collected.
+- ``test_cp_model_vs_boltz2``: ``cp_model_of(model)`` (the whole ``state_dict`` strict) on 1x1, 2x2,
+  2x3 and 3x3, uneven N and A, 1, 2 and 3 samples, recycling 0 and 1: the same outputs, collected.
 - ``test_cp_model_of_refuses_what_it_lacks``: affinity and B-factor heads raise.
 """
 
@@ -166,6 +166,7 @@ CP_CASES = [
     ((2, 2), dict(n=11, m=3, mps=2, recycling=0, seed=4)),
     ((2, 3), dict(n=10, m=1, recycling=1, seed=5)),
     ((2, 3), dict(n=13, m=3, recycling=0, seed=6)),
+    ((3, 3), dict(n=14, m=2, recycling=0, seed=7)),
 ]
 
 

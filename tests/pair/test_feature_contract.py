@@ -307,3 +307,30 @@ def test_good_and_zero_templates_accepted():
     before = {k: v.clone() for k, v in f.items()}
     check_features(f)
     assert all(torch.equal(before[k], f[k]) for k in f), "check_features must not modify its input"
+
+
+def test_synthetic_training_features_are_valid():
+    """``synthetic_training_features``: Boltz's shapes and dtypes, the contract's checks pass
+    (K = 1 squeezed), the R set is token-ordered resolved polymer centre atoms, the resolved mask
+    has unresolved real atoms and no padding, frames name real atoms, distribute places it all."""
+    from twinshard.pair.feature_contract import r_set_token_form
+    from twinshard.pair.synthetic import synthetic_training_features
+
+    f = synthetic_complex(20, atoms_per_token=(3, 6), msa_depth=1, templates=0, chains=3, batch=2, seed=5)
+    t = synthetic_training_features(f, seed=1)
+    b, a, n = f["atom_to_token"].shape
+    assert t["coords"].shape == (b, 1, a, 3) and t["frames_idx"].shape == (b, 1, n, 3)
+    assert t["frame_resolved_mask"].shape == (b, 1, n) and t["disto_target"].shape == (b, n, n, 1, 64)
+    g = dict(f) | {k: t[k] for k in ("atom_resolved_mask", "token_to_center_atom", "r_set_to_rep_atom")}
+    g["frame_resolved_mask"] = t["frame_resolved_mask"][:, 0]
+    check_features(g, window=None)
+    res, real = t["atom_resolved_mask"], f["atom_pad_mask"] > 0
+    assert bool((~res & real).any()) and not bool((res & ~real).any())
+    assert bool(t["frame_resolved_mask"].any()) and bool(
+        (t["frames_idx"] < real.sum(-1)[:, None, None, None]).all()
+    )
+    aligned = r_set_token_form(t["r_set_to_rep_atom"], f["atom_to_token"])
+    assert torch.equal(aligned, t["token_to_center_atom"] * aligned.any(-1, keepdim=True))
+    rows = t["r_set_to_rep_atom"].any(-1)
+    assert bool((rows[:, 1:] <= rows[:, :-1]).all()), "R-set rows first, zero rows after"
+    assert (t["disto_target"].sum(-1) <= 1).all() and t["token_disto_mask"].sum() > 0

@@ -2,9 +2,9 @@
 against its serial reference (``Boltz2Model``), inference, fp64, in the main environment (the
 comparison with boltz's own ``Boltz2.forward`` is tests/interop/test_boltz2_model.py).
 
-- ``test_cp_model_matches_serial``: 1x1, 2x2 and 2x3, uneven N (9, 11, 10) and atom counts (2-6
+- ``test_cp_model_matches_serial``: 1x1, 2x2, 2x3 and 3x3, uneven N (9, 11, 10, 13) and atom counts (2-6
   atoms per protein token, one-atom ligand tokens, Boltz's padding atoms), batch 1 and 2 (padding
-  tokens in element 1), 1 and 3 diffusion samples (3 in Boltz's chunks of ``max_parallel_samples``
+  tokens in element 1), 1, 2 and 3 diffusion samples (3 in Boltz's chunks of ``max_parallel_samples``
   2), recycling 0 and 1, 3 sampling steps, both sides drawing with the counter-based source of one
   seed (``CounterDraws``): every output equal at round-off: ``sample_atom_coords``, ``pdistogram``,
   ``s``, ``z``, the confidence logits, ``plddt``, ``pae``, ``pde`` (collected) and every summary
@@ -95,6 +95,7 @@ CASES = [
     ((2, 2), dict(n=11, b=1, m=3, mps=2, recycling=0)),
     ((2, 3), dict(n=10, b=2, m=1, recycling=1)),
     ((2, 3), dict(n=11, b=1, m=3, recycling=0)),
+    ((3, 3), dict(n=13, b=1, m=2, recycling=0)),
 ]
 
 

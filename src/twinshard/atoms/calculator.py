@@ -34,6 +34,7 @@ import torch
 from ase.calculators.calculator import Calculator, CalculatorError, all_changes
 from torch import nn
 
+from twinshard.atoms.data.io import as_system
 from twinshard.atoms.data.system import System
 from twinshard.atoms.dynamics.sanity import nonfinite_rows
 from twinshard.atoms.parallel.plain_inputs import evaluate_serial
@@ -82,21 +83,13 @@ def evaluate_distributed(
     system built with default ids that is the original order).
     """
     from twinshard.atoms.parallel.distributed import DistributedPotential
-    from twinshard.atoms.parallel.sharded import ShardedSystem
+    from twinshard.atoms.parallel.storage import scatter_storage
     from twinshard.comm import primitives as prim
 
-    if storage not in ("halo", "graph"):  # a replicated option: every rank raises
-        raise ValueError(f"storage must be 'halo' or 'graph', got {storage!r}")
-    if storage == "graph":
-        from twinshard.atoms.parallel.graph_storage import GraphSharded
-
-        sharded: Any = GraphSharded.scatter(
-            system, src, cutoff=float(potential.cutoff), skin=skin, group=group
-        )
-    else:
-        sharded = ShardedSystem.scatter(
-            system, src, cutoff=float(potential.cutoff), skin=skin, group=group, partition=partition
-        )
+    # a replicated option: a bad storage name raises on every rank
+    sharded = scatter_storage(
+        storage, system, src, cutoff=float(potential.cutoff), skin=skin, group=group, partition=partition
+    )
     from twinshard.atoms.parallel.plain_inputs import as_potential, potential_mode
 
     potential = as_potential(potential)  # a bare MACE module: behind MaceAdapter (dispatch mode)
@@ -153,8 +146,10 @@ class TwinshardCalculator(Calculator):
         self.src = int(src)
         self.skin = float(skin)
         self.dtype = dtype
-        if storage not in ("halo", "graph"):
-            raise ValueError(f"storage must be 'halo' or 'graph', got {storage!r}")
+        from twinshard.atoms.parallel.storage import STORAGES
+
+        if storage not in STORAGES:
+            raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
         self.storage = storage
 
     def _use_world(self) -> bool:
@@ -171,7 +166,7 @@ class TwinshardCalculator(Calculator):
         self, atoms: Any = None, properties: Any = ("energy",), system_changes: Any = all_changes
     ) -> None:
         super().calculate(atoms, properties, system_changes)
-        system = System.from_ase(self.atoms, dtype=self.dtype)
+        system = as_system(self.atoms, self.dtype, what="the calculator's atoms")
         if hasattr(self.potential, "check_species"):  # every rank holds the same atoms: all raise
             self.potential.check_species(system.numbers.unique().tolist())
         if self._use_world():

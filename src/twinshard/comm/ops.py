@@ -18,13 +18,18 @@ import torch
 import torch.distributed as dist
 
 from twinshard.comm import primitives as P
+from twinshard.comm.amp import autocast_rule
 from twinshard.runtime.grid import ProcessGrid
 from twinshard.runtime.world import get_world
 
 Group = P.Group
 
 
+@autocast_rule()
 class _AllReduce(torch.autograd.Function):
+    """Dtype path: the sum travels and accumulates in reduce_dtype(x) (>= fp32), the result in x's
+    dtype; backward the same on the gradient."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
@@ -35,7 +40,11 @@ class _AllReduce(torch.autograd.Function):
         return P.all_reduce(g, ctx.group, op="all_reduce:backward"), None
 
 
+@autocast_rule()
 class _SyncGrad(torch.autograd.Function):
+    """Dtype path: forward a view (no cast); backward the gradient summed in reduce_dtype (>=
+    fp32), returned in its own dtype."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
@@ -46,7 +55,11 @@ class _SyncGrad(torch.autograd.Function):
         return P.all_reduce(g, ctx.group, op="sync_grad:backward"), None
 
 
+@autocast_rule()
 class _AllGather(torch.autograd.Function):
+    """Dtype path: blocks travel in x's dtype (one dtype on every rank: the callers' inputs);
+    backward reduce-scatter in reduce_dtype (>= fp32)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, group: Group, sizes: list[int] | None):
         ctx.dim, ctx.group = dim, group
@@ -59,7 +72,11 @@ class _AllGather(torch.autograd.Function):
         return P.reduce_scatter(g, ctx.dim, ctx.group, ctx.sizes, op="all_gather:backward"), None, None, None
 
 
+@autocast_rule()
 class _ReduceScatter(torch.autograd.Function):
+    """Dtype path: the sum travels in reduce_dtype(x) (>= fp32), the result in x's dtype; backward
+    all-gathers the gradient in its dtype."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, group: Group, sizes: list[int] | None):
         ctx.dim, ctx.group = dim, group
@@ -72,7 +89,10 @@ class _ReduceScatter(torch.autograd.Function):
         return P.all_gather(g, ctx.dim, ctx.group, ctx.sizes, op="reduce_scatter:backward"), None, None, None
 
 
+@autocast_rule()
 class _AllToAll(torch.autograd.Function):
+    """Dtype path: rows travel in x's dtype; backward in the gradient's dtype. No arithmetic."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: Group):
         ctx.send, ctx.recv, ctx.group = send, recv, group
@@ -83,7 +103,10 @@ class _AllToAll(torch.autograd.Function):
         return P.all_to_all(g, ctx.recv, ctx.send, ctx.group, op="all_to_all:backward"), None, None, None
 
 
+@autocast_rule()
 class _Broadcast(torch.autograd.Function):
+    """Dtype path: the buffer travels in x's dtype; backward reduces in reduce_dtype (>= fp32)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, src: int, group: Group):
         ctx.src, ctx.group = src, group
@@ -94,7 +117,12 @@ class _Broadcast(torch.autograd.Function):
         return P.reduce(g, ctx.src, ctx.group, op="broadcast:backward"), None, None
 
 
+@autocast_rule()
 class _Exchange(torch.autograd.Function):
+    """Dtype path: every message in ``dtype``, agreed over the world by ``exchange`` (the vote
+    carries it) before anything is sent; backward in the same wire dtype, each gradient cast
+    back to its send buffer's dtype."""
+
     @staticmethod
     def forward(
         ctx,
@@ -245,10 +273,15 @@ def sync_grad(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     return _SyncGrad.apply(x, group)
 
 
+@autocast_rule()
 class _SyncParams(torch.autograd.Function):
     """Views of one dtype bucket of parameters; backward: their gradients flattened into one
     buffer, all-reduced once (the forward copies nothing: a flat copy of the parameters per
-    call was saved for backward by every layer that used it, one replica per rank)."""
+    call was saved for backward by every layer that used it, one replica per rank).
+
+    Dtype path: forward views (no cast); backward one flat gradient per parameter dtype bucket,
+    summed in reduce_dtype (>= fp32: a bf16 parameter's gradient is reduced in fp32).
+    """
 
     @staticmethod
     def forward(ctx, group: Group, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -450,7 +483,10 @@ def transpose_tiles_local(x: torch.Tensor, grid: ProcessGrid, op: str = "transpo
     return out
 
 
+@autocast_rule()
 class _TransposeTiles(torch.autograd.Function):
+    """Dtype path: pieces travel in x's dtype (backward: the gradient's), no arithmetic."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
         ctx.grid = grid

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from twinshard.comm import amp
 from twinshard.comm.ledger import record
 from twinshard.comm.placement import check_payload
 from twinshard.runtime.world import get_world
@@ -33,6 +34,48 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype sums are carried in: at least fp32, fp64 kept."""
     return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+
+
+# dtype codes of the audit's wire agreement (twinshard.comm.amp): one int64 per buffer
+_CODES = (
+    torch.float64,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.complex128,
+    torch.complex64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+
+def _group_ranks(group: Group) -> tuple[int, ...]:
+    return tuple(global_rank(group, i) for i in range(group_size(group)))
+
+
+def _audit_collective(op: str, dtype: torch.dtype, group: Group, kind: str) -> torch.dtype:
+    """Audit mode only (else ``dtype``): record this rank's wire dtype and agree it over the group
+    (one all-gather of one int64, outside the ledger); ranks that differ are noted as a mismatch
+    and every rank then moves the buffer in the widest of the dtypes, so the world does not hang."""
+    if not amp.audit_active():
+        return dtype
+    amp.record_wire(op, dtype, kind, _group_ranks(group))
+    dev = get_world().device if get_world() is not None else torch.device("cpu")
+    mine = torch.tensor([_CODES.index(dtype)], dtype=torch.int64, device=dev)
+    every = torch.empty(group_size(group), dtype=torch.int64, device=dev)
+    _all_gather_tensor(every, mine, group=group)
+    kinds = [_CODES[int(c)] for c in every.tolist()]
+    if len(set(kinds)) == 1:
+        return dtype
+    amp.note_mismatch(f"{op}: wire dtypes over ranks {_group_ranks(group)}: {[str(k) for k in kinds]}")
+    wide = kinds[0]
+    for k in kinds[1:]:
+        wide = torch.promote_types(wide, k)
+    return wide
 
 
 def group_size(group: Group) -> int:
@@ -71,7 +114,7 @@ def all_reduce(x: torch.Tensor, group: Group = None, op: str = "all_reduce") -> 
     n = group_size(group)
     if n == 1:
         return x.clone()
-    buf = x.to(reduce_dtype(x.dtype)).contiguous().clone()
+    buf = x.to(_audit_collective(op, reduce_dtype(x.dtype), group, "all_reduce")).contiguous().clone()
     dist.all_reduce(buf, group=group)
     b = 2 * (n - 1) * nbytes(buf) // n
     record(op, b, b)
@@ -94,12 +137,12 @@ def all_gather(
             f"{x.shape[dim]} along dim {dim}"
         )
     m = max(sizes)
-    xt = _pad0(x.movedim(dim, 0), m).contiguous()
+    xt = _pad0(x.movedim(dim, 0), m).to(_audit_collective(op, x.dtype, group, "all_gather")).contiguous()
     out = xt.new_empty((n * m,) + tuple(xt.shape[1:]))
     _all_gather_tensor(out, xt, group=group)
     record(op, nbytes(xt) * (n - 1), nbytes(xt) * (n - 1))
     blocks = [out[i * m : i * m + s] for i, s in enumerate(sizes)]
-    return torch.cat(blocks).movedim(0, dim)
+    return torch.cat(blocks).movedim(0, dim).to(x.dtype)
 
 
 def reduce_scatter(
@@ -128,7 +171,7 @@ def reduce_scatter(
             f"reduce_scatter: sizes {sizes} do not split dim {dim} of size {x.shape[dim]} over {n} ranks"
         )
     m = max(sizes)
-    xt = x.movedim(dim, 0).to(reduce_dtype(x.dtype))
+    xt = x.movedim(dim, 0).to(_audit_collective(op, reduce_dtype(x.dtype), group, "reduce_scatter"))
     buf = torch.cat([_pad0(b, m) for b in torch.split(xt, sizes)]).contiguous()
     out = buf.new_empty((m,) + tuple(buf.shape[1:]))
     _reduce_scatter_tensor(out, buf, group=group)
@@ -154,14 +197,14 @@ def all_to_all(
         )
     if n == 1:
         return x.clone()
-    xc = x.contiguous()
+    xc = x.to(_audit_collective(op, x.dtype, group, "all_to_all")).contiguous()
     out = xc.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(
         out, xc, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
     )
     me, row = group_rank(group), _row_bytes(xc)
     record(op, row * (sum(send_splits) - send_splits[me]), row * (sum(recv_splits) - recv_splits[me]))
-    return out
+    return out.to(x.dtype)
 
 
 def broadcast(x: torch.Tensor, src: int = 0, group: Group = None, op: str = "broadcast") -> torch.Tensor:
@@ -170,11 +213,11 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group = None, op: str = "bro
     n = group_size(group)
     if n == 1:
         return x.clone()
-    buf = x.contiguous().clone()
+    buf = x.to(_audit_collective(op, x.dtype, group, "broadcast")).contiguous().clone()
     dist.broadcast(buf, src=global_rank(group, src), group=group)
     me = group_rank(group)
     record(op, nbytes(buf) * (n - 1) if me == src else 0, 0 if me == src else nbytes(buf))
-    return buf
+    return buf.to(x.dtype)
 
 
 def reduce(x: torch.Tensor, dst: int = 0, group: Group = None, op: str = "reduce") -> torch.Tensor:
@@ -183,7 +226,7 @@ def reduce(x: torch.Tensor, dst: int = 0, group: Group = None, op: str = "reduce
     n = group_size(group)
     if n == 1:
         return x.clone()
-    buf = x.to(reduce_dtype(x.dtype)).contiguous().clone()
+    buf = x.to(_audit_collective(op, reduce_dtype(x.dtype), group, "reduce")).contiguous().clone()
     dist.reduce(buf, dst=global_rank(group, dst), group=group)
     me = group_rank(group)
     record(op, 0 if me == dst else nbytes(buf), nbytes(buf) * (n - 1) if me == dst else 0)
@@ -231,6 +274,7 @@ def exchange(
     self_send = {p: t for p, t in sends if p == me}
     received: list[torch.Tensor | None] = [None] * len(recvs)
     bufs = {p: t.to(dtype).contiguous() for p, t in sends if p != me}
+    theirs = _audit_p2p(op, dtype, sorted(bufs), [p for p in recv_peers if p != me], device)
     ops = []
     peers = sorted(set(bufs) | {p for p in recv_peers if p != me})
     sent = got = 0
@@ -240,8 +284,8 @@ def exchange(
             pair.append(dist.P2POp(dist.isend, bufs[peer], peer))
             sent += nbytes(bufs[peer])
         for i, (p, shape) in enumerate(recvs):
-            if p == peer:
-                received[i] = torch.empty(shape, dtype=dtype, device=device)
+            if p == peer:  # in the sender's dtype (an audit's mismatch: cast below)
+                received[i] = torch.empty(shape, dtype=theirs.get(p, dtype), device=device)
                 pair.append(dist.P2POp(dist.irecv, received[i], peer))
                 got += nbytes(received[i])
         ops.extend(pair if me < peer else pair[::-1])
@@ -256,8 +300,52 @@ def exchange(
     works = dist.batch_isend_irecv(ops) if ops else []
     if peers:
         record(op, sent, got)
-    pending = Pending(works, received)  # type: ignore[arg-type]
+    if theirs:  # audit mode: what a mismatched sender sent, in the dtype this rank expects
+        pending = _Recast(works, received, dtype)
+    else:
+        pending = Pending(works, received)  # type: ignore[arg-type]
     return pending if async_op else pending.wait()
+
+
+class _Recast(Pending):
+    def wait(self) -> list[torch.Tensor]:
+        return [t.to(self._dtype) for t in super().wait()]
+
+    def __init__(self, works: list, received: list[torch.Tensor], dtype: torch.dtype):
+        super().__init__(works, received)
+        self._dtype = dtype
+
+
+def _audit_p2p(
+    op: str, dtype: torch.dtype, send_peers: list[int], recv_peers: list[int], device: torch.device
+) -> dict[int, torch.dtype]:
+    """Audit mode only (else {}): record each message's dtype at both ends and tell each receiver
+    the dtype its sender uses (one int64 message per message, outside the ledger); returns
+    {sender: its dtype} for this rank's receives, a mismatch noted in the audit."""
+    if not amp.audit_active():
+        return {}
+    for p in send_peers:
+        amp.record_wire(op, dtype, "send", p)
+    for p in recv_peers:
+        amp.record_wire(op, dtype, "recv", p)
+    me = dist.get_rank()
+    code = torch.tensor([_CODES.index(dtype)], dtype=torch.int64, device=device)
+    got = {p: torch.empty(1, dtype=torch.int64, device=device) for p in recv_peers}
+    ops = []
+    for peer in sorted(set(send_peers) | set(recv_peers)):
+        pair = []
+        if peer in send_peers:
+            pair.append(dist.P2POp(dist.isend, code, peer))
+        if peer in got:
+            pair.append(dist.P2POp(dist.irecv, got[peer], peer))
+        ops.extend(pair if me < peer else pair[::-1])
+    for w in dist.batch_isend_irecv(ops) if ops else []:
+        w.wait()
+    theirs = {p: _CODES[int(t.item())] for p, t in got.items()}
+    for p, d in theirs.items():
+        if d != dtype:
+            amp.note_mismatch(f"{op}: rank {p} sends {d} to rank {me}, which expects {dtype}")
+    return theirs or {-1: dtype}  # non-empty: the caller knows it is in audit mode
 
 
 def shift(

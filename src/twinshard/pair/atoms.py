@@ -77,6 +77,7 @@ ATOM_FEATURES: dict[str, str] = {
     "token_to_rep_atom": "token_atom",
     "token_to_center_atom": "token_atom",
     "coords": "atom_conf",  # [B, K, A, 3] true coordinates per conformer (training)
+    "r_set_token_to_atom": "token_atom",  # derived by distribute from r_set_to_rep_atom
 }
 
 

@@ -79,11 +79,13 @@ __all__ = [
     "NUM_MOL_TYPES",
     "NUM_TOKENS",
     "RELEASED_BOLTZ2",
+    "TRAINING_FEATURES",
     "WINDOW_KEYS",
     "WINDOW_QUERIES",
     "FeatureSpec",
     "check_features",
     "contract_kinds",
+    "r_set_token_form",
     "trunk_feature_names",
 ]
 
@@ -147,7 +149,7 @@ class FeatureSpec:
     """One feature of the contract. ``dims``: symbols (B, N, A, S, T) or fixed sizes."""
 
     name: str
-    kind: str  # single | pair | msa | sample | atom | atom_token | token_atom | template
+    kind: str  # single | pair | msa | sample | atom | atom_token | token_atom | template | r_set
     dtype: torch.dtype  # Boltz's own dtype
     dclass: str  # "int" | "float" | "binary" (what check_features accepts)
     dims: tuple[str | int, ...]
@@ -250,6 +252,26 @@ _SPECS: tuple[FeatureSpec, ...] = (
     _spec('token_to_rep_atom', 'token_atom', _I64, 'binary', 'BNA',
           'token -> representative (distogram) atom one-hot',
           'real tokens one of their own atoms', ('distogram loss', 'ConfidenceModule'), onehot=True),
+    _spec('token_to_center_atom', 'token_atom', _I64, 'binary', 'BNA',
+          'token -> centre atom one-hot (CA; C1\' of a nucleotide; a ligand token\'s atom)',
+          'real tokens one of their own atoms', ('the R set of the lDDT (featuriser)',), onehot=True),
+    _spec('atom_resolved_mask', 'atom', _BOOL, 'binary', 'BA',
+          '1 for an atom resolved in the true structure (training)',
+          '{0, 1}; padding atoms 0', ('confidence_loss', 'diffusion loss', 'compute_frame_pred')),
+    _spec('frame_resolved_mask', 'single', _BOOL, 'binary', 'BN',
+          "1 where the token's true frame is resolved and not collinear (training; Boltz emits "
+          '[B, K, N], its training step squeezes K = 1)',
+          '{0, 1}; padding tokens 0', ('confidence_loss (PAE)',)),
+    _spec('r_set_to_rep_atom', 'r_set', _I64, 'binary', 'BNA',
+          "the lDDT R set: one row per resolved polymer token, its centre atom (one-hot), in token "
+          'order, zero rows after them (N_R padded to N). Not token-aligned: distribute re-encodes '
+          'it as r_set_token_to_atom',
+          'rows one-hot or zero; each atom a real atom of a real token, tokens distinct (the centre '
+          'atom where token_to_center_atom is given)', ('confidence_loss (pLDDT)',), onehot=True),
+    _spec('r_set_token_to_atom', 'token_atom', _I64, 'binary', 'BNA',
+          "r_set_to_rep_atom re-encoded token-aligned: row t holds token t's R-set atom (a zero row "
+          'for a token outside the R set); derived by distribute, the form the CP losses read',
+          'rows one-hot or zero, each its own token\'s atom', ('CP confidence_loss (pLDDT)',), onehot=True),
     _spec('msa', 'msa', _I64, 'int', 'BSN',
           'MSA residue classes over const.tokens (row 0: the query)',
           '[0, 33)', (_MSA,), low=0, high=NUM_TOKENS),
@@ -312,12 +334,38 @@ CONTRACT: dict[str, FeatureSpec] = {s.name: s for s in _SPECS}
 TRAINING_FEATURES = ("coords", "disto_target", "token_disto_mask")
 
 TEMPLATE_FEATURES = tuple(s.name for s in _SPECS if s.kind == "template")
+# the training features (true structure side; synthetic.synthetic_training_features draws them,
+# K = 1 squeezed where Boltz has a conformer axis) and the form distribute derives
+TRAINING_FEATURES = (
+    "token_to_center_atom",
+    "atom_resolved_mask",
+    "frame_resolved_mask",
+    "r_set_to_rep_atom",
+    "r_set_token_to_atom",
+)
 MSA_FEATURES = ("msa", "has_deletion", "deletion_value", "msa_paired", "msa_mask")
 
 
+def r_set_token_form(r_set: torch.Tensor, atom_to_token: torch.Tensor) -> torch.Tensor:
+    """``r_set_to_rep_atom [B, N_R, A]`` (rows not token-aligned) -> ``[B, N, A]`` token-aligned:
+    row t holds the R-set atom of token t (zero for tokens outside the R set). The lDDT sums
+    over the R set, so its order does not matter. Validate with :func:`check_features` first."""
+    b, _, a = r_set.shape
+    n = atom_to_token.shape[2]
+    out = torch.zeros(b, n, a, dtype=r_set.dtype, device=r_set.device)
+    rows = (r_set != 0).any(-1)
+    atom = (r_set != 0).to(torch.int64).argmax(-1)
+    owner = (atom_to_token != 0).to(torch.int64).argmax(-1)  # [B, A]
+    for i in range(b):
+        for r in rows[i].nonzero()[:, 0].tolist():
+            out[i, int(owner[i, atom[i, r]]), atom[i, r]] = 1
+    return out
+
+
 def contract_kinds() -> dict[str, str]:
-    """Feature name -> kind, for every feature of the contract."""
-    return {s.name: s.kind for s in _SPECS}
+    """Feature name -> kind, for every feature of the contract placed on the grid as it is
+    (``r_set_to_rep_atom``, kind ``r_set``, is placed re-encoded as ``r_set_token_to_atom``)."""
+    return {s.name: s.kind for s in _SPECS if s.kind != "r_set"}
 
 
 # ---- which features a configuration reads ---------------------------------------------------------
@@ -560,6 +608,72 @@ def _check_atoms(feats: Mapping[str, torch.Tensor], sizes: dict, window: int | N
             )
 
 
+def _r_set_atoms(name: str, x: torch.Tensor, feats: Mapping[str, torch.Tensor]) -> tuple:
+    """``(rows, atoms, tokens)`` of the non-zero rows of an R-set map (one-hot rows checked
+    before): each atom must be a real atom mapped to a real token."""
+    rows = (x != 0).any(-1)  # [B, N]
+    atom = x.to(torch.int64).argmax(-1)  # [B, N]
+    if "atom_to_token" not in feats:
+        _fail(name, "needs 'atom_to_token' to know the tokens of its atoms")
+    a2t = feats["atom_to_token"] != 0
+    owner = torch.where(a2t.any(-1), a2t.to(torch.int64).argmax(-1), -1)  # [B, A]
+    tok = torch.gather(owner, 1, atom)  # [B, N]
+    if "atom_pad_mask" in feats:
+        pad = torch.gather(feats["atom_pad_mask"] == 0, 1, atom)
+        if bool((rows & pad).any()):
+            b, r = _first_bad(rows & pad)
+            _fail(name, f"row {r} of batch element {b} holds padding atom {int(atom[b, r])}")
+    if bool((rows & (tok < 0)).any()):
+        b, r = _first_bad(rows & (tok < 0))
+        _fail(name, f"row {r} of batch element {b} holds atom {int(atom[b, r])}, which maps to no token")
+    if "token_pad_mask" in feats:
+        on_pad = rows & ~torch.gather(feats["token_pad_mask"] != 0, 1, tok.clamp(min=0))
+        if bool(on_pad.any()):
+            b, r = _first_bad(on_pad)
+            _fail(
+                name,
+                f"row {r} of batch element {b}: atom {int(atom[b, r])} belongs to padding token {int(tok[b, r])}",
+            )
+    return rows, atom, tok
+
+
+def _check_r_set(feats: Mapping[str, torch.Tensor]) -> None:
+    """The R set: each atom a real atom of a real token (its centre atom where
+    ``token_to_center_atom`` is given), one row per token (``r_set_to_rep_atom``: tokens
+    distinct; ``r_set_token_to_atom``: row t an atom of token t)."""
+    centre = feats.get("token_to_center_atom")
+    for name in ("r_set_to_rep_atom", "r_set_token_to_atom"):
+        if name not in feats:
+            continue
+        rows, atom, tok = _r_set_atoms(name, feats[name], feats)
+        for b in range(rows.shape[0]):
+            ts = tok[b][rows[b]]
+            if name == "r_set_to_rep_atom" and len(torch.unique(ts)) != len(ts):
+                dup = [int(t) for t in torch.unique(ts) if int((ts == t).sum()) > 1][0]
+                _fail(
+                    name, f"batch element {b} has two rows on atoms of token {dup}: one R-set atom per token"
+                )
+            if name == "r_set_token_to_atom":
+                mine = torch.arange(rows.shape[1])
+                wrong = rows[b] & (tok[b] != mine)
+                if bool(wrong.any()):
+                    t = int(wrong.nonzero()[0, 0])
+                    _fail(
+                        name,
+                        f"row {t} of batch element {b} holds atom {int(atom[b, t])} of token {int(tok[b, t])}, not its own",
+                    )
+            if centre is not None:
+                c = (centre[b] != 0).to(torch.int64).argmax(-1)  # [N] centre atom per token
+                off = rows[b] & (c.gather(0, tok[b].clamp(min=0)) != atom[b])
+                if bool(off.any()):
+                    r = int(off.nonzero()[0, 0])
+                    _fail(
+                        name,
+                        f"row {r} of batch element {b} holds atom {int(atom[b, r])}, not the centre atom "
+                        f"{int(c[tok[b, r]])} of its token {int(tok[b, r])} (token_to_center_atom)",
+                    )
+
+
 def _check_tokens(feats: Mapping[str, torch.Tensor]) -> None:
     if "res_type" in feats:
         rt = feats["res_type"]
@@ -610,3 +724,4 @@ def check_features(
         _fail(sizes["N"][1], "N = 0 tokens")
     _check_tokens(feats)
     _check_atoms(feats, sizes, window)
+    _check_r_set(feats)

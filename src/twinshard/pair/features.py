@@ -74,8 +74,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Placement
 
 from twinshard.comm import primitives as P
+from twinshard.comm.amp import autocast_rule
 from twinshard.pair.atoms import ATOM_FEATURES, atom_tile, plan_atoms, scatter_atom_tile, unblock_atoms
-from twinshard.pair.feature_contract import CONTRACT, check_features
+from twinshard.pair.feature_contract import CONTRACT, check_features, r_set_token_form
 from twinshard.pair.layout import (
     _SEQ_DIM,
     _TOKEN_DIMS,
@@ -123,6 +124,7 @@ __all__ = [
 ]
 
 TOKEN_MASK, PAIR_MASK, MSA_MASK = "token_pad_mask", "pair_mask", "msa_mask"
+R_SET = "r_set_to_rep_atom"
 
 # Feature name -> kind. Names follow Boltz-2's featuriser where one exists, plus
 # the trunk activations (s, z, m). Unknown names need ``kinds={name: kind}``.
@@ -152,6 +154,7 @@ PLACEMENT_TABLE: dict[str, str] = {
     "cyclic_period": "single",
     "frames_idx": "single",  # [B, N, 3] global atom indices of each token's frame (confidence pTM)
     "token_disto_mask": "single",  # [B, N] distogram loss mask (training)
+    "frame_resolved_mask": "single",  # [B, N] (training: confidence PAE loss)
     # per-token-pair features
     "token_bonds": "pair",
     "type_bonds": "pair",
@@ -233,10 +236,24 @@ def check_contract(features: Mapping[str, torch.Tensor], kinds: Mapping[str, str
     known = {
         k: v
         for k, v in features.items()
-        if k in CONTRACT and (kinds or {}).get(k, PLACEMENT_TABLE.get(k)) == CONTRACT[k].kind
+        if k in CONTRACT and (k == R_SET or (kinds or {}).get(k, PLACEMENT_TABLE.get(k)) == CONTRACT[k].kind)
     }
     if known:
         check_features(known, need=None, window=None)
+
+
+def _derived(features: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """Features whose serial form cannot be placed, replaced by a placeable equivalent:
+    ``r_set_to_rep_atom`` (rows not token-aligned) -> ``r_set_token_to_atom`` (kind
+    ``token_atom``, row t = token t's R-set atom; :func:`feature_contract.r_set_token_form`).
+    ``collect`` returns the derived key."""
+    if R_SET not in features:
+        return features
+    if "atom_to_token" not in features:
+        raise ValueError(f"feature {R_SET!r} needs 'atom_to_token' to be placed on the grid")
+    out = {k: v for k, v in features.items() if k != R_SET}
+    out["r_set_token_to_atom"] = r_set_token_form(features[R_SET].detach(), features["atom_to_token"])
+    return out
 
 
 def _plan(
@@ -368,8 +385,9 @@ def distribute(
         try:
             if features is None:
                 raise ValueError(f"rank {grid.rank} must pass the features (src={src})")
-            meta = {k: (tuple(v.shape), v.dtype) for k, v in features.items()}
             check_contract(features, kinds)  # the contract's value checks, where the data is
+            features = _derived(features)
+            meta = {k: (tuple(v.shape), v.dtype) for k, v in features.items()}
         except Exception as exc:  # reported together below
             err = exc
     src_failed = False
@@ -510,11 +528,14 @@ def shard_tensor(x: torch.Tensor, kind: str, grid: ProcessGrid, layout: PairLayo
     return _attach(from_local(local_block(layout.pad(x, kind), grid, pl), grid, pl), layout, kind)
 
 
+@autocast_rule()
 class _GatherTiles(torch.autograd.Function):
     """All-gather of tiles into the full (padded) tensor; backward keeps my tile of the gradient.
 
     Every rank computes the same thing from the gathered value, so its gradient is
     replicated, not partial: the adjoint slices, it does not sum (DESIGN rule 7).
+
+    Dtype path: tiles travel in the local tile's dtype; backward slices (no cast).
     """
 
     @staticmethod

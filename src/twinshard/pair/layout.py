@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from twinshard.comm.amp import autocast_rule
 from twinshard.pair.tiling import (
     MSA,
     PAIR,
@@ -277,11 +278,15 @@ def padding_keep(x: DTensor, layout: PairLayout, kind: str) -> torch.Tensor | No
     return keep
 
 
+@autocast_rule()
 class _ZeroPadding(torch.autograd.Function):
     """``x.masked_fill(~keep, 0)``; its adjoint is the same masking, made without a copy when the
     incoming gradient is zero on the padding already (whenever what reads the output ignores
     its padding: a mixing twin's masks, ``collect``). That copy was one tile more at the start
-    of every twin's backward. The test reads the padded entries only (on CUDA: one host sync)."""
+    of every twin's backward. The test reads the padded entries only (on CUDA: one host sync).
+
+    Dtype path: masked_fill in x's dtype (backward: the gradient's); no communication.
+    """
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ from twinshard.pair.feature_contract import (
 from twinshard.pair.features import ShardedFeatures, distribute
 from twinshard.runtime import ProcessGrid
 
-__all__ = ["synthetic_complex", "synthetic_sharded"]
+__all__ = ["synthetic_complex", "synthetic_sharded", "synthetic_training_features"]
 
 _PROTEIN_ATOMS = (
     "N", "CA", "C", "O", "CB", "CG", "CD", "NE", "CZ", "NH1", "NH2", "OD1", "ND2", "CE",
@@ -490,3 +490,123 @@ def _fill_template(f: dict, b: int, t: int, el: dict, true_ca: torch.Tensor, g: 
 def _unit(g: torch.Generator) -> torch.Tensor:
     v = torch.randn(3, generator=g, dtype=torch.float64)
     return v / v.norm()
+
+
+def synthetic_training_features(
+    feats: Mapping[str, torch.Tensor],
+    seed: int = 0,
+    unresolved: float = 0.15,
+    num_bins: int = 64,
+) -> dict[str, torch.Tensor]:
+    """The training features Boltz-2's featuriser adds to a :func:`synthetic_complex` dict
+    ``feats`` (returned as a new dict of the EXTRA keys only, Boltz's shapes and dtypes):
+
+    - ``coords [B, K=1, A, 3]``: a true structure (chains as 3.8 A random walks 10 A apart, a
+      token's atoms within ~1.5 A of it; a ligand chain a 1.5 A walk), with Boltz's centring on
+      the resolved atoms; unresolved atoms sit at the origin before the centring, padding at 0;
+    - ``atom_resolved_mask [B, A]`` bool: each real atom unresolved with probability
+      ``unresolved``, but ligand chains: all resolved for 3 atoms (a valid recomputed frame),
+      exactly one unresolved for 4 or more; one protein centre atom always unresolved (where
+      the element has two or more); padding False;
+    - ``token_to_center_atom [B, N, A]``: CA (a protein token's second atom; its only atom for a
+      one-atom token), a ligand token's atom;
+    - ``r_set_to_rep_atom [B, N, A]``: one row per resolved polymer token (centre atom resolved)
+      in token order, holding its centre atom; zero rows after them (N_R padded to N);
+    - ``frames_idx [B, K=1, N, 3]`` and ``frame_resolved_mask [B, K=1, N]`` (bool): a protein
+      token of >= 3 atoms has the frame (N, CA, C) = its atoms 0, 1, 2; other tokens (start,
+      start, start); a non-polymer chain of >= 3 atoms gets the nearest-resolved-neighbour
+      frames of the true coordinates (Boltz's ``compute_frames_nonpolymer``); resolved where
+      the three frame atoms are resolved (0 for the degenerate ones) and the frame is not
+      collinear on the true coordinates; padding tokens 0;
+    - ``disto_target [B, N, N, K=1, num_bins]``: one-hot distance bins (2-22 A) of the true
+      representative atoms (``token_to_rep_atom``), zero on padding tokens;
+      ``token_disto_mask [B, N]``: real tokens whose representative atom is resolved.
+
+    Deterministic in ``seed``. Works on any dict with Boltz's token/atom features (the mol_type
+    may name DNA/RNA chains: their tokens are polymer tokens)."""
+    from twinshard.pair.reference.confidence import NONPOLYMER, collinear_mask, compute_frame_pred
+    from twinshard.pair.reference.distogram import distogram_target
+
+    g = torch.Generator().manual_seed(seed)
+    a2t = feats["atom_to_token"]
+    bsz, a, n = a2t.shape
+    dt = feats["ref_pos"].dtype
+    mol, asym = feats["mol_type"], feats["asym_id"]
+    real_tok, real_atom = feats["token_pad_mask"] > 0, feats["atom_pad_mask"] > 0
+    coords = torch.zeros(bsz, a, 3, dtype=torch.float64)
+    resolved = torch.zeros(bsz, a, dtype=torch.bool)
+    center = torch.zeros(bsz, n, a, dtype=torch.int64)
+    frames = torch.zeros(bsz, n, 3, dtype=torch.int64)
+    for b in range(bsz):
+        owner = torch.where(real_atom[b], a2t[b].argmax(-1), -1)
+        chains = torch.unique(asym[b][real_tok[b]]).tolist()
+        for k, cid in enumerate(chains):
+            toks = ((asym[b] == cid) & real_tok[b]).nonzero()[:, 0].tolist()
+            ligand = int(mol[b, toks[0]]) == NONPOLYMER
+            walk = _walk(len(toks), 1.5 if ligand else 3.8, g) + torch.tensor(
+                [10.0 * k, 0.0, 0.0], dtype=torch.float64
+            )
+            for i, t in enumerate(toks):
+                atoms = (owner == t).nonzero()[:, 0]
+                coords[b, atoms] = walk[i] + (
+                    0.0 if ligand else 1.5 * torch.randn(len(atoms), 3, generator=g, dtype=torch.float64)
+                )
+                s0 = int(atoms[0])
+                center[b, t, s0 + (1 if len(atoms) >= 2 and not ligand else 0)] = 1
+                if not ligand and len(atoms) >= 3:
+                    frames[b, t] = torch.tensor([s0, s0 + 1, s0 + 2])
+                else:
+                    frames[b, t] = s0
+        resolved[b] = real_atom[b] & (torch.rand(a, generator=g) >= unresolved)
+        for cid in chains:  # ligand chains: 3 atoms all resolved (a valid recomputed frame), more
+            own = real_atom[b] & (asym[b].gather(0, owner.clamp(min=0)) == cid)  # atoms: one not
+            atoms = own.nonzero()[:, 0]
+            if int(mol[b, int(owner[atoms[0]])]) == NONPOLYMER:
+                resolved[b, atoms] = True
+                if len(atoms) >= 4:
+                    resolved[b, atoms[int(torch.randint(len(atoms), (1,), generator=g))]] = False
+        ca = center[b].argmax(-1)[real_tok[b] & (mol[b] != NONPOLYMER)]
+        if len(ca) >= 2:
+            resolved[b, ca[int(torch.randint(len(ca), (1,), generator=g))]] = False
+    coords = coords * resolved[..., None]
+    mean = (coords * resolved[..., None]).sum(1) / resolved.sum(1).clamp(min=1)[:, None]
+    coords = (coords - mean[:, None]) * real_atom[..., None]
+    # non-polymer chains of >= 3 atoms: frames from the true coordinates (nearest resolved)
+    f = {k: feats[k] for k in ("asym_id", "atom_to_token", "token_pad_mask", "atom_pad_mask", "mol_type")}
+    f["frames_idx"] = frames
+    redone, _ = compute_frame_pred(coords, f, 1, resolved=resolved)
+    polymer3 = frames[..., 0] != frames[..., 1]  # the (N, CA, C) frames set above
+    lig = mol == NONPOLYMER
+    chain_atoms = a2t.sum(1)  # [B, N]: atoms per token
+    for b in range(bsz):
+        for cid in torch.unique(asym[b][real_tok[b]]).tolist():
+            sel = (asym[b] == cid) & real_tok[b]
+            if not bool(lig[b, sel].all()) or int(chain_atoms[b, sel].sum()) < 3:
+                lig[b, sel] = False  # a ligand chain of < 3 atoms keeps its degenerate frames
+    bi = torch.arange(bsz)[:, None, None]
+    frame_ok = resolved[bi, redone].all(-1) & (polymer3 | lig)
+    fx = coords[bi, redone]
+    frame_ok = frame_ok & collinear_mask(fx[:, :, 1] - fx[:, :, 0], fx[:, :, 1] - fx[:, :, 2]) & real_tok
+    # the R set: resolved polymer tokens' centre atoms, in token order, padded to N rows
+    rset = torch.zeros(bsz, n, a, dtype=torch.int64)
+    for b in range(bsz):
+        rows = [
+            t
+            for t in range(n)
+            if real_tok[b, t] and int(mol[b, t]) != NONPOLYMER and bool(resolved[b, center[b, t].argmax()])
+        ]
+        for k, t in enumerate(rows):
+            rset[b, k] = center[b, t]
+    rep = feats["token_to_rep_atom"].to(torch.float64) @ coords  # [B, N, 3]
+    disto = distogram_target(rep, num_bins) * (real_tok[:, :, None] & real_tok[:, None, :])[..., None, None]
+    rep_res = (feats["token_to_rep_atom"].to(torch.float64) @ resolved[..., None].to(torch.float64))[..., 0]
+    return {
+        "coords": coords.to(dt)[:, None],
+        "atom_resolved_mask": resolved,
+        "token_to_center_atom": center,
+        "r_set_to_rep_atom": rset,
+        "frames_idx": redone[:, None],
+        "frame_resolved_mask": frame_ok[:, None],
+        "disto_target": disto.to(dt),
+        "token_disto_mask": ((rep_res > 0) & real_tok).to(dt),
+    }

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -34,10 +35,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from twinshard.comm import primitives as P
+from twinshard.comm.amp import autocast_rule
 from twinshard.pair.features import layout_of
 from twinshard.pair.layers.distogram import CPDistogramHead
 from twinshard.pair.layers.pairformer import CPPairformerStack
 from twinshard.pair.layers.triangle import pair_grid
+from twinshard.pair.precision import precision as _precision
 from twinshard.pair.reference.distogram import DistogramHead, distogram_loss
 from twinshard.pair.reference.pairformer import PairformerStack
 from twinshard.runtime.agree import agree_scalars
@@ -84,10 +87,15 @@ class Trunk(nn.Module):
         return loss, per_sample
 
 
+@autocast_rule()
 class _SumOverRowBlocks(torch.autograd.Function):
     """Sum of per-rank partial sums over the grid column (the single track's row blocks).
     Every rank gets the same total; backward passes the (replicated) gradient to the local part
-    unchanged -- each rank differentiates only its own rows (slice, do not sum)."""
+    unchanged -- each rank differentiates only its own rows (slice, do not sum).
+
+    Dtype path: the partial sums are reduced in reduce_dtype (>= fp32), the result in the part's
+    dtype; backward passes the gradient unchanged.
+    """
 
     @staticmethod
     def forward(ctx: Any, part: torch.Tensor, group: Any) -> torch.Tensor:
@@ -132,13 +140,26 @@ class CPTrunk(Trunk):
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, Any], seed: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Mapping[str, Any],
+    seed: int,
+    precision: str | None = None,
 ) -> torch.Tensor:
     """One step: zero the gradients, ``loss = model(**batch, seed=seed)[0]``, backward, update.
     Returns the detached loss. On DTensor inputs the seed, the optimizer's step counts and its
     param groups' hyperparameters (learning rate, betas, weight decay, ...) are checked identical
-    on every rank first (they steer dropout and the update)."""
-    if any(isinstance(v, DTensor) for v in batch.values()):
+    on every rank first (they steer dropout and the update). ``precision`` (a mode of
+    ``twinshard.pair.precision``; None: none entered, the dtypes the model and batch carry): the
+    forward and backward run in its scope (agreed across ranks on DTensor inputs; the model and
+    batch are expected in its dtypes already); the update runs outside it."""
+    distributed = any(isinstance(v, DTensor) for v in batch.values())
+    scope = (
+        nullcontext()
+        if precision is None
+        else _precision(precision).scope(what="train_step", agree=distributed)
+    )
+    if distributed:
         steps = sorted(int(st["step"]) for st in optimizer.state.values() if "step" in st)
         groups = tuple(
             tuple(sorted((k, v) for k, v in group.items() if k != "params"))
@@ -148,8 +169,9 @@ def train_step(
             {"seed": int(seed), "optimizer_steps": tuple(steps), "param_groups": groups}, "train_step"
         )
     optimizer.zero_grad(set_to_none=True)
-    loss, _ = model(**batch, seed=seed)
-    loss.backward()
+    with scope:
+        loss, _ = model(**batch, seed=seed)
+        loss.backward()
     optimizer.step()
     return loss.detach()
 

@@ -15,7 +15,29 @@ import torch
 
 from twinshard.atoms.data.system import System
 
-__all__ = ["StructureReadError", "read", "read_trajectory", "write"]
+__all__ = ["StructureReadError", "as_system", "read", "read_trajectory", "write"]
+
+
+def as_system(source: Any, dtype: torch.dtype | None = None, what: str = "the structure") -> System:
+    """The one way an input becomes a :class:`System`: a System (cast to ``dtype`` when given), an
+    ``ase.Atoms`` (anything with ``get_positions`` and ``get_atomic_numbers``), or a structure file
+    path (:func:`read`). ``None`` or another type raises a ``ValueError`` / ``TypeError`` naming
+    ``what`` and what to give instead."""
+    if isinstance(source, System):
+        system = source
+    elif isinstance(source, (str, os.PathLike)):
+        system = read(source)
+    elif hasattr(source, "get_positions") and hasattr(source, "get_atomic_numbers"):
+        system = System.from_ase(source)
+    elif source is None:
+        raise ValueError(f"{what}: passed None; give a System, an ase.Atoms or a structure file path")
+    else:
+        raise TypeError(
+            f"{what}: cannot use a {type(source).__name__}; give a System, an ase.Atoms or a path"
+        )
+    if dtype is not None and system.dtype != dtype:
+        system = system.to(dtype=dtype)
+    return system
 
 
 class StructureReadError(ValueError):

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from twinshard.atoms.data.io import as_system
 from twinshard.atoms.data.system import System
 from twinshard.atoms.dynamics.integrators import npt_integrator
 from twinshard.atoms.dynamics.md import (
@@ -300,10 +301,8 @@ def run_md(
     potential = as_potential(potential)  # a bare MACE module: behind MaceAdapter
     if not hasattr(potential, "cutoff"):
         raise TypeError("potential must have a float `cutoff` and forward(graph) -> per-atom energies")
-    if system is not None and not isinstance(system, System):
-        system = System.from_ase(system, dtype=dtype)
-    elif system is not None:
-        system = system.to(dtype=dtype)
+    if system is not None:
+        system = as_system(system, dtype, what="run_md's system")
     if system is not None and hasattr(potential, "check_species"):  # every rank has the system here
         potential.check_species(system.numbers.unique().tolist())
     integ = _integrator(
@@ -374,7 +373,7 @@ def _md_rank(
     """
     from twinshard.atoms.dynamics.driver import DistributedEngine, npt_figures
     from twinshard.atoms.parallel.distributed import DistributedPotential
-    from twinshard.atoms.parallel.sharded import ShardedSystem
+    from twinshard.atoms.parallel.storage import scatter_storage
     from twinshard.comm import primitives as prim
     from twinshard.runtime import agree_step, require_world
 
@@ -430,19 +429,15 @@ def _md_rank(
     resume = prim.broadcast(resume, 0, None, op="md_setup")
     start_step, heat0 = int(resume[0]), float(resume[1])
     load_dynamic_values(integ, resume[2:].tolist())  # every rank's chain starts from rank 0's
-    if opts["storage"] == "graph":
-        from twinshard.atoms.parallel.graph_storage import GraphSharded
-
-        sharded = GraphSharded.scatter(mine, 0, cutoff=float(potential.cutoff), skin=opts["skin"])
-    else:
-        sharded = ShardedSystem.scatter(
-            mine,
-            0,
-            cutoff=float(potential.cutoff),
-            skin=opts["skin"],
-            partition=opts["partition"],
-            balance=opts["balance"],
-        )
+    sharded = scatter_storage(
+        opts["storage"],
+        mine,
+        0,
+        cutoff=float(potential.cutoff),
+        skin=opts["skin"],
+        partition=opts["partition"],
+        balance=opts["balance"],
+    )
     owned0 = sharded.counts()
     from twinshard.atoms.parallel.plain_inputs import potential_mode
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from twinshard.atoms.data.io import as_system
 from twinshard.atoms.data.system import System
 from twinshard.atoms.dynamics.batch import BatchIntegrator, per_system_paths, simulate_batch
 from twinshard.atoms.dynamics.md import (
@@ -83,9 +84,7 @@ def run_md_batch(
             raise ValueError(f"restart= a batch takes a list of {n} checkpoints, one per system")
     dtype = opts["dtype"]
     if systems is not None:
-        systems = [
-            s.to(dtype=dtype) if isinstance(s, System) else System.from_ase(s, dtype=dtype) for s in systems
-        ]
+        systems = [as_system(s, dtype, what=f"run_md's system {i}") for i, s in enumerate(systems)]
         if hasattr(potential, "check_species"):
             potential.check_species(sorted({int(z) for s in systems for z in s.numbers.unique().tolist()}))
     if opts["pressure"] is not None:

@@ -123,9 +123,9 @@ def load_structure(cfg: MDConfig) -> System:
                 kwargs["n_atoms"] = n
             system = structures.build(name, **kwargs)
     else:
-        from twinshard.atoms.data.io import read
+        from twinshard.atoms.data.io import as_system
 
-        system = read(name)
+        system = as_system(name)
     if not bool(system.velocities.abs().gt(0).any()) and cfg.temperature > 0:
         system.velocities = maxwell_boltzmann(system.masses, system.ids, cfg.temperature, seed=cfg.seed)
     return system
@@ -179,12 +179,7 @@ def potential_from_config(cfg: MDConfig, species: list[int]) -> Any:
             raise ValueError("--epsilon/--sigma/--lj/--no-shift are options of --potential lj")
         if cfg.cutoff is not None:
             raise ValueError("--cutoff: a MACE model has its own cutoff (r_max)")
-        from twinshard.atoms.potentials.mace import DEFAULT_SPECIES, MaceAdapter, build_mace, load_mace
-
-        known = sorted(set(DEFAULT_SPECIES) | set(species))  # replicated: species are agreed
-        adapter = MaceAdapter(load_mace(cfg.model) if cfg.model else build_mace(species=known))
-        adapter.check_species(species)
-        return adapter
+        return make_potential("mace", species, model=cfg.model)  # replicated: species are agreed
     kw: dict[str, Any] = {} if cfg.cutoff is None else {"cutoff": cfg.cutoff}
     if cfg.potential == "lj":
         params = lj_parameters(cfg, species)
@@ -196,10 +191,7 @@ def potential_from_config(cfg: MDConfig, species: list[int]) -> Any:
     if cfg.storage == "graph":  # plain-PyTorch models only, through the dispatch
         if cfg.potential != "mpnn":
             raise ValueError("--storage graph runs plain-PyTorch models: --potential mpnn or mace")
-        from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
-
-        return PlainMessagePassing(species=species, **kw)  # the same draws as make_potential's mpnn
-    return make_potential(cfg.potential, species, **kw)
+    return make_potential(cfg.potential, species, plain=cfg.storage == "graph", **kw)
 
 
 def make_integrator(cfg: MDConfig) -> VelocityVerlet:

@@ -229,7 +229,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     """
     from twinshard.atoms.parallel.balance import imbalance
     from twinshard.atoms.parallel.distributed import DistributedPotential
-    from twinshard.atoms.parallel.sharded import ShardedSystem
+    from twinshard.atoms.parallel.storage import scatter_storage
     from twinshard.comm import CommLedger
     from twinshard.comm import primitives as prim
     from twinshard.comm.ledger import BYTES_MODEL
@@ -294,19 +294,15 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
                 )
     if changed:
         print(f"twinshard md: {changed}", file=sys.stderr, flush=True)
-    if cfg.storage == "graph":  # atoms split by index, geometry replicated (atoms.graph_storage)
-        from twinshard.atoms.parallel.graph_storage import GraphSharded
-
-        sharded = GraphSharded.scatter(system, 0, cutoff=float(potential.cutoff), skin=cfg.skin)
-    else:
-        sharded = ShardedSystem.scatter(
-            system,
-            0,
-            cutoff=float(potential.cutoff),
-            skin=cfg.skin,
-            partition=cfg.partition,
-            balance=cfg.balance,
-        )
+    sharded = scatter_storage(
+        cfg.storage,
+        system,
+        0,
+        cutoff=float(potential.cutoff),
+        skin=cfg.skin,
+        partition=cfg.partition,
+        balance=cfg.balance,
+    )
     dp = DistributedPotential(potential, mode=potential_mode(potential))  # MACE: through the dispatch
     halo0 = sharded.n_halo
     owned0 = sharded.n_owned

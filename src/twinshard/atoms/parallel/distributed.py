@@ -45,7 +45,8 @@ halo rows' ``[force, energy]`` partial sums scatter-added into the owned rows,
 and the same all_reduce of ``[energy, virial]``. No autograd graph.
 ``DistributedPotential(pot, analytic=False)`` forces the autograd path (the oracle).
 
-Graph-parallel storage: given a :class:`~twinshard.atoms.parallel.graph_storage.GraphSharded` instead of a
+Graph-parallel storage (the storage's type picks the path; :mod:`twinshard.atoms.parallel.storage`):
+given a :class:`~twinshard.atoms.parallel.graph_storage.GraphSharded` instead of a
 ShardedSystem, ``compute`` / ``per_atom_energies`` run a plain model (``mode="dispatch"``) on it
 (:func:`~twinshard.atoms.parallel.graph_storage.graph_compute`; a batch of S systems gives ``[S]`` energies
 and ``[S, 3, 3]`` virials and stresses).
@@ -67,6 +68,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from twinshard.atoms.parallel.graph_storage import GraphSharded, graph_compute, graph_energies
 from twinshard.atoms.parallel.plain_inputs import dispatch_compute, dispatch_energies
 from twinshard.atoms.parallel.sharded import ShardedSystem
 from twinshard.atoms.potentials.base import Graph, Results, has_analytic, strained
@@ -167,7 +169,7 @@ class DistributedPotential:
     # -------------------------------------------------------------- energies
     def per_atom_energies(
         self,
-        sharded: ShardedSystem,
+        sharded: ShardedSystem | GraphSharded,
         positions: torch.Tensor | None = None,
         strain: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -183,9 +185,7 @@ class DistributedPotential:
         (one all-reduce per parameter dtype, in backward; nothing to call after).
         ``strain`` (3x3) optionally deforms the block by ``I + sym(strain)``.
         """
-        if getattr(sharded, "storage", "halo") == "graph":  # atoms.graph_storage.GraphSharded
-            from twinshard.atoms.parallel.graph_storage import graph_energies
-
+        if isinstance(sharded, GraphSharded):
             if strain is not None:
                 raise ValueError("graph storage: the model applies its own strain (compute_stress=True)")
             return graph_energies(self, sharded, positions)
@@ -211,7 +211,7 @@ class DistributedPotential:
         return per_atom[: sharded.n_owned]
 
     def compute(
-        self, sharded: ShardedSystem, compute_stress: bool = True, create_graph: bool = False
+        self, sharded: ShardedSystem | GraphSharded, compute_stress: bool = True, create_graph: bool = False
     ) -> Results:
         """Collective: total energy, owned per-atom energies, owned forces, virial, stress.
 
@@ -219,9 +219,7 @@ class DistributedPotential:
         otherwise every result is detached. An analytic pair potential takes the
         closed-form path unless ``create_graph`` (same results to round-off).
         """
-        if getattr(sharded, "storage", "halo") == "graph":  # graph-parallel storage (per-system results)
-            from twinshard.atoms.parallel.graph_storage import graph_compute
-
+        if isinstance(sharded, GraphSharded):  # per-system results
             return graph_compute(self, sharded, compute_stress, create_graph)
         if self.analytic and not create_graph:
             return self._compute_analytic(sharded, compute_stress)

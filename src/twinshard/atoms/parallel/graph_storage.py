@@ -114,7 +114,9 @@ class GraphSharded:
     ``velocities``. Per rank: ``senders``, ``receivers`` (rank-relative ids), ``shifts``.
     """
 
-    storage = "graph"
+    # the Storage interface (atoms.parallel.storage) read on both storages: graph storage holds no
+    # halo rows (the geometry is replicated), never migrates (ownership is by index) and has no
+    # spatial partition
     n_halo = 0
     migrations = 0
     partition = None

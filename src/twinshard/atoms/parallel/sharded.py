@@ -36,7 +36,6 @@ density) and the neighbour list of owned receivers; nothing scales with N.
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import time
 from typing import Any
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from twinshard.atoms.data.io import as_system
 from twinshard.atoms.data.neighbors import Edges, RadiusGraph, lex_positive, neighbor_list
 from twinshard.atoms.data.system import System
 from twinshard.atoms.dynamics import sanity
@@ -60,24 +60,8 @@ _CORE = ("positions", "velocities", "masses", "numbers", "ids")
 
 
 def _as_system(source: Any, dtype: torch.dtype | None) -> System:
-    """A System from a System, an ``ase.Atoms`` or a structure file path."""
-    if isinstance(source, System):
-        system = source
-    elif isinstance(source, (str, os.PathLike)):
-        from twinshard.atoms.data.io import read
-
-        system = read(source)
-    elif hasattr(source, "get_positions") and hasattr(source, "get_atomic_numbers"):
-        system = System.from_ase(source)
-    elif source is None:
-        raise ValueError(
-            "the source rank passed None: give a System, an ase.Atoms or a structure file path "
-            "on the source rank (the other ranks pass None)"
-        )
-    else:
-        raise TypeError(f"cannot shard a {type(source).__name__}; give a System, ase.Atoms or path")
-    if dtype is not None and system.dtype != dtype:
-        system = system.to(dtype=dtype)
+    """The source rank's input as a System (``atoms.data.io.as_system``, the one input path)."""
+    system = as_system(source, dtype, what="the source rank (the other ranks pass None)")
     system.validate()
     return system
 

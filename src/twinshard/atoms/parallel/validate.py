@@ -143,25 +143,31 @@ def tolerances(dtype: torch.dtype) -> dict[str, float]:
 
 
 def build_potential(cfg: ValidateConfig, species: list[int]) -> nn.Module:
+    """The plain model ``validate`` traces, from the one factory (``make_potential``)."""
+    from twinshard.atoms.potentials import make_potential
+
     if cfg.potential == "mace":
-        from twinshard.atoms.potentials.mace import MaceAdapter, build_mace, load_mace
-
-        return MaceAdapter(load_mace(cfg.model) if cfg.model else build_mace())
+        return make_potential("mace", species, model=cfg.model)
     if cfg.potential == "mpnn":
-        from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
-
-        model = PlainMessagePassing(species=species, cutoff=4.0, n_features=8, n_basis=6, n_layers=2, seed=3)
-        if cfg.model:
-            model.load_state_dict(torch.load(cfg.model, weights_only=True))
-        return model
+        return make_potential(
+            "mpnn",
+            species,
+            model=cfg.model,
+            plain=True,
+            cutoff=4.0,
+            n_features=8,
+            n_basis=6,
+            n_layers=2,
+            seed=3,
+        )
     raise ValueError(f"validate: unknown potential {cfg.potential!r}; choose 'mpnn' or 'mace'")
 
 
 def load_system(cfg: ValidateConfig, species: list[int] | None = None) -> System:
     if cfg.structure:
-        from twinshard.atoms.data.io import read
+        from twinshard.atoms.data.io import as_system
 
-        return read(cfg.structure)
+        return as_system(cfg.structure)
     from twinshard.atoms.data import structures
 
     s = structures.fcc_argon(repeat=2, rattle=0.25, seed=1)  # 32 atoms, periodic
@@ -200,19 +206,18 @@ def validate_rank(cfg: ValidateConfig, species: list[int]) -> dict[str, Any]:
 
     from twinshard.atoms.parallel.distributed import DistributedPotential
     from twinshard.atoms.parallel.sharded import ShardedSystem
+    from twinshard.atoms.parallel.storage import STORAGES, scatter_storage
 
-    if cfg.storage not in ("halo", "graph"):
-        raise ValueError(f"validate: --storage is 'halo' or 'graph', got {cfg.storage!r}")
+    if cfg.storage not in STORAGES:
+        raise ValueError(f"validate: --storage is one of {STORAGES}, got {cfg.storage!r}")
     model = build_potential(cfg, species)
     system = load_system(cfg, species) if dist.get_rank() == 0 else None
     holder = [0]
     pot, traced = with_trace(model, _keep_dist(holder))
-    if cfg.storage == "graph":  # gathers there index other ranks' rows: compared by their outputs only
-        from twinshard.atoms.parallel.graph_storage import GraphSharded
-
-        store: Any = GraphSharded.scatter(system, cutoff=float(model.cutoff), skin=cfg.skin)
-    else:
-        store = ShardedSystem.scatter(system, cutoff=float(model.cutoff), skin=cfg.skin)
+    store: Any = scatter_storage(cfg.storage, system, cutoff=float(model.cutoff), skin=cfg.skin)
+    if isinstance(
+        store, ShardedSystem
+    ):  # graph storage's gathers index other ranks' rows: compared by outputs only
         assert store.plan is not None
         traced.row_ids = torch.cat([store.ids, store.plan.halo_ids.to(store.ids.device)])
     holder[0] = store.n_owned

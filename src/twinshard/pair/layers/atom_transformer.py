@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from twinshard.comm.amp import autocast_rule
 from twinshard.pair.layers.triangle_attention import Packed
 from twinshard.pair.layout import PairLayout
 from twinshard.pair.reference.atom_transformer import AtomTransformer, frame_margin, window_keys
@@ -145,10 +146,15 @@ def window_plan(layout: PairLayout, grid: ProcessGrid, w: int, h: int) -> Window
     )
 
 
+@autocast_rule()
 class _KeyFrame(torch.autograd.Function):
     """My tile ``[B, A_blk, ...]`` -> my key frame ``[B, L, ...]`` (my atoms, the halo from the
     owners, zeros elsewhere). Backward: the frame's gradient on my atoms, plus the gradient of my
-    rows that other ranks used, sent back by them and summed here."""
+    rows that other ranks used, sent back by them and summed here.
+
+    Dtype path: halo rows travel in the tile's dtype; backward in the gradient's dtype, summed
+    in it (one addend per owner: the sum of a row's own gradient and those sent back). No cast.
+    """
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, plan: WindowPlan, op: str) -> torch.Tensor:

@@ -57,6 +57,7 @@ from torch.func import functional_call
 
 from twinshard import comm
 from twinshard.comm import primitives as P
+from twinshard.comm.amp import autocast_rule, fp32_region
 from twinshard.pair.features import layout_of, with_layout
 from twinshard.pair.layers.moves import MoveRows, column_moves, move_rows
 from twinshard.pair.layers.tokenwise import replicated_params
@@ -73,11 +74,15 @@ def _chunk(n: int, parts: int, index: int) -> tuple[int, int]:
     return n * index // parts, n * (index + 1) // parts
 
 
+@autocast_rule()
 class _ShareGrad(torch.autograd.Function):
     """Identity on a value every rank of a grid row computed identically; backward keeps this
     rank's slice (chunk ``index`` of ``parts`` along the token dim 1) of the replicated
     gradient, zeros elsewhere, so the contributions downstream are partials that sum (over the
-    row) to the gradient exactly once."""
+    row) to the gradient exactly once.
+
+    Dtype path: identity (a view); backward slices the gradient in its dtype. No communication.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, index: int, parts: int) -> torch.Tensor:
@@ -205,10 +210,11 @@ class CPAttentionPairBias(AttentionPairBias):
         mb = self.inf * (mask - 1) * _row_max(mask, grid, "apb:mask_max")
         if args.key_real is not None:
             mb = torch.where(args.key_real.view(1, -1), mb, torch.full_like(mb, -self.inf))
-        logits = torch.einsum("bihd,bjhd->bhij", q.to(ct), k.to(ct))
-        logits = logits + bias.to(ct) + mb.to(ct)[:, None, None, :]
-        l, acc = _merge_partials(logits, v.to(ct), grid)
-        o = acc / l.permute(0, 2, 1).unsqueeze(-1)
+        with fp32_region(q.device.type):  # the softmax region, as the serial attend_single
+            logits = torch.einsum("bihd,bjhd->bhij", q.to(ct), k.to(ct))
+            logits = logits + bias.to(ct) + mb.to(ct)[:, None, None, :]
+            l, acc = _merge_partials(logits, v.to(ct), grid)
+            o = acc / l.permute(0, 2, 1).unsqueeze(-1)
         out = self.project_out(o, g)
         return _ShareGrad.apply(out, grid.coords[1], grid.cols)
 

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from twinshard.comm import primitives as P
+from twinshard.comm.amp import autocast_rule
 from twinshard.pair.features import PairLayout, _placements, collect_tensor, with_layout
 from twinshard.pair.tiling import from_local, local_block
 from twinshard.runtime import ProcessGrid
@@ -45,8 +46,13 @@ from twinshard.runtime import ProcessGrid
 __all__ = ["plain", "to_dtensor"]
 
 
+@autocast_rule()
 class _Scatter(torch.autograd.Function):
-    """Full tensor -> this rank's padded tile; backward gathers the full gradient on every rank."""
+    """Full tensor -> this rank's padded tile; backward gathers the full gradient on every rank.
+
+    Dtype path: forward slices in x's dtype (no communication); backward all-gathers the
+    gradient in its dtype.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, kind: str, grid: ProcessGrid, layout: PairLayout) -> torch.Tensor:

@@ -104,7 +104,7 @@ from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local
 from twinshard.runtime import ProcessGrid, raise_together
 from twinshard.runtime.agree import agree_scalars
 
-__all__ = ["CPConfidenceHeads", "CPConfidenceModule", "cp_frame_mask", "cp_outer_product"]
+__all__ = ["CPConfidenceHeads", "CPConfidenceModule", "cp_frame_mask", "cp_frame_values", "cp_outer_product"]
 
 HEAD_FEATURES = ("asym_id", "mol_type", "token_pad_mask", "frames_idx", "atom_to_token", "atom_pad_mask")
 
@@ -162,6 +162,28 @@ def cp_frame_mask(
     x_local: torch.Tensor, feats: Mapping[str, DTensor], layout: PairLayout, grid: ProcessGrid, m: int
 ) -> torch.Tensor:
     """``[B m, Nr/R]``: the serial ``frame_mask`` of this rank's token rows (module docstring)."""
+    f = cp_frame_values(x_local, feats, layout, grid, m)
+    ok = collinear_mask(f[:, :, 1] - f[:, :, 0], f[:, :, 1] - f[:, :, 2])
+    return ok * feats["token_pad_mask"].to_local().repeat_interleave(m, 0)
+
+
+def cp_frame_values(
+    x_local: torch.Tensor,
+    feats: Mapping[str, DTensor],
+    layout: PairLayout,
+    grid: ProcessGrid,
+    m: int,
+    values: torch.Tensor | None = None,
+    resolved: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[B m, Nr/R, 3, k]``: per-atom ``values`` (``[B m, A_blk, k]`` on the atom tile; default the
+    coordinates ``x_local [B m, A_blk, 3]``) at the three frame atoms of each of this rank's token
+    rows: Boltz's ``compute_frame_pred`` (the serial ``compute_frame_pred``), non-polymer chains of
+    >= 3 atoms recomputed from ``x_local``; ``resolved`` (``[B m, A_blk]``, training) keeps
+    unresolved atoms out of the nearest neighbours. Collectives (module docstring): two
+    all-reduces along the grid column of chain statistics; where a chain is recomputed, one
+    all-gather along the column of ``[B m, A_blk, 3 + k + 1]`` (coordinates, values, resolved)
+    and one of the chain tags; a polymer frame atom off the token's grid row raises on every rank."""
     r = grid.coords[0]
     asym = feats["asym_id"].to_local().long()  # [B, nI]
     mol = feats["mol_type"].to_local().long()
@@ -205,14 +227,23 @@ def cp_frame_mask(
     ]
     frames = frames.repeat_interleave(m, 0).clone()
     recomputed = torch.zeros(bsz * m, ni, dtype=torch.bool)
-    x_full = None
+    v_local = x_local if values is None else values
+    k = v_local.shape[-1]
+    v_full = None
     if redo:  # replicated decision: every rank gathers
-        blocked = P.all_gather(x_local.contiguous(), 1, grid.col_group, op="confidence:ligand_coords")
+        payload = [x_local] + ([] if values is None else [values.to(x_local.dtype)])
+        payload += [] if resolved is None else [resolved[..., None].to(x_local.dtype)]
+        blocked = P.all_gather(
+            torch.cat(payload, -1).contiguous(), 1, grid.col_group, op="confidence:ligand_coords"
+        )
         tags = torch.stack([asym_atom, atom_pad.long()], dim=-1).to(x_local.dtype)
         tags = P.all_gather(tags.contiguous(), 1, grid.col_group, op="confidence:ligand_atoms")
         from twinshard.pair.layers.diffusion import sample_layout
 
-        x_full = unblock_atoms(blocked, sample_layout(layout, m), "atom")  # [B m, A, 3]
+        full = unblock_atoms(blocked, sample_layout(layout, m), "atom")  # [B m, A, 3 (+ k) (+ 1)]
+        x_full = full[..., :3]
+        v_full = x_full if values is None else full[..., 3 : 3 + k].to(v_local.dtype)
+        r_full = None if resolved is None else full[..., -1] > 0
         tags = unblock_atoms(tags, layout, "atom").long()  # [B, A, 2]
         lo = int(rows[0])
         for b, c, t0, a0, na in redo:
@@ -222,7 +253,8 @@ def cp_frame_mask(
                 continue
             in_atom = (tags[b, :, 0] == c) & (tags[b, :, 1] > 0)
             xc = x_full[b * m : (b + 1) * m][:, in_atom]
-            f = chain_frames(xc) + a0  # [m, na, 3]
+            rc = None if r_full is None else r_full[b * m : (b + 1) * m][:, in_atom]
+            f = chain_frames(xc, rc) + a0  # [m, na, 3]
             q = torch.tensor([t - t0 for t in mine])
             t = torch.tensor([t - lo for t in mine])
             frames[b * m : (b + 1) * m, t] = f[:, q]
@@ -244,13 +276,12 @@ def cp_frame_mask(
         )
     raise_together(err, step="CPConfidenceHeads (frames)")
     bi = torch.arange(bsz * m)[:, None, None]
-    f = x_local[bi, local.clamp(min=0, max=x_local.shape[1] - 1)]
-    if x_full is not None:
+    f = v_local[bi, local.clamp(min=0, max=v_local.shape[1] - 1)]
+    if v_full is not None:
         f = torch.where(
-            recomputed[..., None, None], x_full[bi, frames.clamp(min=0, max=x_full.shape[1] - 1)], f
+            recomputed[..., None, None], v_full[bi, frames.clamp(min=0, max=v_full.shape[1] - 1)], f
         )
-    ok = collinear_mask(f[:, :, 1] - f[:, :, 0], f[:, :, 1] - f[:, :, 2])
-    return ok * tok.repeat_interleave(m, 0)
+    return f
 
 
 class CPConfidenceHeads(ConfidenceHeads):

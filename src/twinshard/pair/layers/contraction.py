@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from twinshard.comm import primitives as P
+from twinshard.comm.amp import autocast_rule
 from twinshard.pair.layers.fetch import Range, Tiled, _Fetch
 from twinshard.pair.layers.stationary import _cannon_stationary, _stationary_product, _summa_stationary
 from twinshard.pair.tiling import block_range
@@ -408,6 +409,7 @@ def _channel_last(t: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tens
     return t.to(dtype).view(batch, bd // batch, r, c).permute(0, 2, 3, 1)
 
 
+@autocast_rule()
 class _TileLayout(torch.autograd.Function):
     """The contraction's result in its kernel's layout as the output tile ``[B, m, n, ...]``.
 
@@ -415,7 +417,11 @@ class _TileLayout(torch.autograd.Function):
     to a contiguous ``[B, m, n, c, d]`` (the layer reshapes it to ``c*d`` channels). The adjoint
     lays the incoming gradient out in the kernel's layout (contiguous), in a node of its own, so
     autograd frees the tile-layout gradient before the contraction's backward runs (done inside
-    that backward, the conversion held both: one tile more at the backward's peak)."""
+    that backward, the conversion held both: one tile more at the backward's peak).
+
+    Dtype path: a view or one layout copy in the input's dtype (backward: the gradient's); no
+    arithmetic, no communication.
+    """
 
     @staticmethod
     def forward(ctx: Any, z: torch.Tensor, kernel: str, batch: int, c: int, d: int) -> torch.Tensor:
@@ -437,7 +443,16 @@ class _TileLayout(torch.autograd.Function):
         return dz.view(b, m * c, n * d), None, None, None, None
 
 
+@autocast_rule("compute")
 class _GridContract(torch.autograd.Function):
+    """Dtype path (cast="compute": Boltz's ``.float()`` before the triangle-multiplication and
+    outer-product einsums, autocast off): the accumulation dtype ``ct = promote(x, y, fp32)``;
+    operand tiles are laid out, saved and sent in ``wire`` (the caller's explicit argument: the
+    activation dtype when a narrower one holds the values exactly, else x's dtype), upcast to
+    ``ct`` per block product; every product accumulates in ``ct``; the result is rounded once to
+    ``out_dtype``. Backward: the gradient travels in its own dtype (``out_dtype``), the two
+    gradient contractions accumulate in ``ct`` and are cast once to the input dtypes."""
+
     @staticmethod
     def forward(
         ctx: Any,

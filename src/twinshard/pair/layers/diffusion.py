@@ -63,6 +63,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
+from twinshard.comm.amp import autocast_rule
 from twinshard.pair.features import with_layout
 from twinshard.pair.layers.atom_encoder import (
     CPAtomAttentionEncoder,
@@ -150,10 +151,15 @@ def _segments(band: tuple[int, int], cols: int, n_j: int) -> list[tuple[int, int
     return out
 
 
+@autocast_rule()
 class _ZBand(torch.autograd.Function):
     """My pair tile ``Z[B, Nr/R, Nc/C, d]`` -> ``Z[B, Nr/R, band_b, d]`` (``[B, Nr/R, L, d]``, L the
     widest band, zero beyond each band): the band's columns from the ranks of my grid row that own
-    them. Backward: my own columns' gradient (the band is replicated along the row: slice)."""
+    them. Backward: my own columns' gradient (the band is replicated along the row: slice).
+
+    Dtype path: band pieces travel in the tile's dtype; backward slices the gradient (no cast,
+    no communication).
+    """
 
     @staticmethod
     def forward(ctx: Any, zt: torch.Tensor, bands: tuple, grid: ProcessGrid, op: str) -> torch.Tensor:

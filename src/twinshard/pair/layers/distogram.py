@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from twinshard.comm import primitives as P
+from twinshard.comm.amp import autocast_rule
 from twinshard.comm.ops import transpose_tiles, transpose_tiles_local
 from twinshard.pair.features import layout_of, with_layout
 from twinshard.pair.layers.tokenwise import replicated_params
@@ -60,9 +61,17 @@ from twinshard.runtime import ProcessGrid
 __all__ = ["CPDistogramHead", "DistogramLossFunction"]
 
 
+@autocast_rule("compute")
 class DistogramLossFunction(torch.autograd.Function):
     """Per-sample distogram loss on pair tiles (placements, collectives, saved memory: module
-    docstring)."""
+    docstring).
+
+    Dtype path (cast="compute": Boltz's distogram loss in fp32, autocast off): the transposed
+    tile travels in z's dtype; the logits are computed in z's and weight's dtypes and taken to
+    ``ct = promote(z, fp32)``, the log-softmax, the per-sample sums (one all-reduce, >= fp32)
+    and the loss in ``ct``. Backward: logits recomputed, dlogits and the parameter gradients in
+    ``ct`` (one all-reduce in ``ct``), dz in z's dtype, its transposed tile in z's dtype.
+    """
 
     @staticmethod
     def forward(

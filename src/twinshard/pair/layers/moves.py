@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from twinshard.comm.amp import autocast_rule
 from twinshard.pair.layers.triangle_attention import Packed, assemble_rows
 from twinshard.runtime.grid import ProcessGrid
 
@@ -82,8 +83,13 @@ def move_rows(x: torch.Tensor, moves: Moves, op: str) -> torch.Tensor:
     return assemble_rows(x, got, [rows for _, rows in recvs], (x.shape[0], length) + rest, 1)
 
 
+@autocast_rule()
 class MoveRows(torch.autograd.Function):
-    """:func:`move_rows`; backward: each piece's gradient goes back to its sender, which adds it."""
+    """:func:`move_rows`; backward: each piece's gradient goes back to its sender, which adds it.
+
+    Dtype path: pieces travel in x's dtype (bool as uint8); backward in the gradient's dtype,
+    summed in it (one addend per row). No cast.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, moves: Moves, op: str = "moves:rows") -> torch.Tensor:

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from twinshard.comm.amp import fp32_region
 from twinshard.pair.features import layout_of
 from twinshard.pair.layers.attention import CPAttentionPairBias
 from twinshard.pair.layers.dropout import CPDropout
@@ -162,8 +163,9 @@ class CPPairformerLayer(_PlainArgs, nn.Module):
 
     def single_stack(self, s: DTensor, z: DTensor, mask: DTensor | None) -> DTensor:
         """The single half: attention with pair bias (keys from the normed ``s``), transition."""
-        s_normed = self.pre_norm_s(s)
-        s = pointwise(_add, s, self.attention(s_normed, z, mask, k_in=s_normed))
+        with fp32_region(s.device.type):  # Boltz: the attention half with autocast off
+            s_normed = self.pre_norm_s(s)
+            s = pointwise(_add, s, self.attention(s_normed, z, mask, k_in=s_normed))
         s = pointwise(_add, s, self.transition_s(s))
         return self.s_post_norm(s)
 

@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor
 
 from twinshard.comm import primitives as P
 from twinshard.comm import transpose_tiles
+from twinshard.comm.amp import autocast_rule
 from twinshard.comm.ops import transpose_tiles_local
 from twinshard.pair.features import layout_of, with_layout
 from twinshard.pair.layers.tokenwise import TokenwiseTwin, mixing_layout
@@ -287,9 +288,17 @@ class _Step:
         return got[:k], block, got[k + nf :]
 
 
+@autocast_rule("compute")
 class _RingAttention(torch.autograd.Function):
     """``o[B, I, H, J, d] = sum_k softmax_k(q_ij . k_ik + b_jk + mb_ik) v_ik`` on this rank's
-    tile, with the keys of the whole grid row (see the module docstring)."""
+    tile, with the keys of the whole grid row (see the module docstring).
+
+    Dtype path (cast="compute": the triangle-attention softmax in fp32, autocast off): q, k, v,
+    bias and the mask bias are cast once to ``ct = promote(q, fp32)``; keys, values, mask bias
+    and bias rows travel, and the logits, the online softmax (running max, sum, accumulator) and
+    the output are in ``ct``; saved in ``ct``. Backward: everything in ``ct`` (the key and value
+    gradient accumulators travel in ``ct``), the input gradients cast once to the input dtypes.
+    """
 
     @staticmethod
     def forward(

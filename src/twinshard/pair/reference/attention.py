@@ -32,6 +32,7 @@ import math
 import torch
 from torch import nn
 
+from twinshard.comm.amp import fp32_region
 from twinshard.pair.reference.linear import Linear
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 from twinshard.pair.reference.triangle_attention import key_mask_bias
@@ -45,9 +46,10 @@ def attend_single(
     """``q[B, I, H, d]`` (scaled), ``k, v[B, J, H, d]``, ``bias[B, H, I, J]``, ``mask_bias[B, J]``
     -> ``o[B, I, H, d] = sum_j softmax_j(q_i . k_j + bias_ij + mask_bias_j) v_j`` (compute dtype)."""
     ct = compute_dtype(q.dtype)
-    logits = torch.einsum("bihd,bjhd->bhij", q.to(ct), k.to(ct))
-    logits = logits + bias.to(ct) + mask_bias.to(ct)[:, None, None, :]
-    return torch.einsum("bhij,bjhd->bihd", logits.softmax(dim=-1), v.to(ct))
+    with fp32_region(q.device.type):  # Boltz: the softmax region with autocast off
+        logits = torch.einsum("bihd,bjhd->bhij", q.to(ct), k.to(ct))
+        logits = logits + bias.to(ct) + mask_bias.to(ct)[:, None, None, :]
+        return torch.einsum("bhij,bjhd->bihd", logits.softmax(dim=-1), v.to(ct))
 
 
 class AttentionPairBias(nn.Module):

@@ -45,6 +45,7 @@ supported (clear errors).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,7 +69,9 @@ __all__ = [
     "ConfidenceModule",
     "aggregated_metric",
     "bin_centres",
+    "chain_frames",
     "collinear_mask",
+    "compute_frame_pred",
     "frame_mask",
     "stack_args",
     "tm_function",
@@ -125,17 +128,31 @@ def collinear_mask(v1: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
     return (cos.abs() < 0.9063) & (n1[..., 0] > 1e-2) & (n2[..., 0] > 1e-2)
 
 
-def chain_frames(xc: torch.Tensor) -> torch.Tensor:
+def chain_frames(xc: torch.Tensor, resolved: torch.Tensor | None = None) -> torch.Tensor:
     """Frames of a non-polymer chain's atoms from their coordinates ``xc [m, n, 3]`` (n >= 3):
-    per atom (nearest other, itself, second nearest) as chain-local indices ``[m, n, 3]``."""
+    per atom (nearest other, itself, second nearest) as chain-local indices ``[m, n, 3]``.
+    ``resolved`` (bool ``[m, n]``, training): a pair with an unresolved atom is infinitely far
+    (Boltz's ``compute_frame_pred`` outside inference; ties keep ``torch.sort``'s order)."""
     d = ((xc[:, None, :, :] - xc[:, :, None, :]) ** 2).sum(-1) ** 0.5  # [m, k, l] = |x_l - x_k|
+    if resolved is not None:
+        both = resolved[:, None, :] & resolved[:, :, None]
+        d = d + torch.where(both, torch.zeros((), dtype=d.dtype), torch.full((), math.inf, dtype=d.dtype))
     idx = torch.sort(d, dim=2).indices
     return torch.cat([idx[:, :, 1:2], idx[:, :, 0:1], idx[:, :, 2:3]], dim=2)
 
 
-def frame_mask(x_pred: torch.Tensor, feats: Mapping[str, torch.Tensor], multiplicity: int) -> torch.Tensor:
-    """``[B m, N]`` float: 1 where token i's frame (``frames_idx``, recomputed for non-polymer
-    chains of >= 3 atoms) is valid and the token real (Boltz's ``compute_frame_pred``, inference)."""
+def compute_frame_pred(
+    x_pred: torch.Tensor,
+    feats: Mapping[str, torch.Tensor],
+    multiplicity: int,
+    resolved: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(frames [B m, N, 3], mask [B m, N])``: each token's frame (``frames_idx``, global atom
+    indices, recomputed for non-polymer chains of >= 3 atoms from ``x_pred [B m, A, 3]``: Boltz's
+    ``compute_frame_pred``) and 1 where that frame is neither collinear nor degenerate and the
+    token real. ``resolved`` ``[B m, A]`` (training): unresolved atoms are never a frame's
+    neighbours; sample ``b m + j`` uses its own row (boltz indexes the rows by the batch element
+    b, the same for B = 1, the only batch size its training step supports)."""
     m = multiplicity
     asym = feats["asym_id"]
     bsz = asym.shape[0]
@@ -152,14 +169,21 @@ def frame_mask(x_pred: torch.Tensor, feats: Mapping[str, torch.Tensor], multipli
             nt, na = int(in_tok.sum()), int(in_atom.sum())
             if na >= 3 and int(feats["mol_type"][b, t0]) == NONPOLYMER:
                 xc = x_pred[b * m : (b + 1) * m][:, in_atom]
+                rc = None if resolved is None else resolved[b * m : (b + 1) * m][:, in_atom] > 0
                 top = min(t0 + na, n)
-                frames[b * m : (b + 1) * m, t0:top] = (chain_frames(xc) + a0)[:, : top - t0]
+                frames[b * m : (b + 1) * m, t0:top] = (chain_frames(xc, rc) + a0)[:, : top - t0]
             t0 += nt
             a0 += na
     bi = torch.arange(frames.shape[0], device=frames.device)[:, None, None]
     f = x_pred[bi, frames]  # [B m, N, 3 (frame atoms), 3]
     ok = collinear_mask(f[:, :, 1] - f[:, :, 0], f[:, :, 1] - f[:, :, 2])
-    return ok * tok_mask.repeat_interleave(m, 0)
+    return frames, ok * tok_mask.repeat_interleave(m, 0)
+
+
+def frame_mask(x_pred: torch.Tensor, feats: Mapping[str, torch.Tensor], multiplicity: int) -> torch.Tensor:
+    """``[B m, N]`` float: 1 where token i's frame (``frames_idx``, recomputed for non-polymer
+    chains of >= 3 atoms) is valid and the token real (Boltz's ``compute_frame_pred``, inference)."""
+    return compute_frame_pred(x_pred, feats, multiplicity)[1]
 
 
 class ConfidenceHeads(nn.Module):

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twinshard.comm.amp import fp32_region
 from twinshard.pair.reference.linear import Linear
 from twinshard.pair.reference.norm import compute_dtype
 
@@ -90,10 +91,11 @@ def distogram_loss(
     if tuple(mask.shape) != (b, n):
         raise ValueError(f"mask must be [B, N] = {(b, n)}, got {tuple(mask.shape)}")
     ct = compute_dtype(logits.dtype)
-    target = target.to(ct)
-    p = target / target.sum(-1, keepdim=True).clamp(min=1)
-    errors = -(p * F.log_softmax(logits.to(ct), dim=-1)).sum(-1)
-    m = mask.to(ct)
-    pair = m[:, None, :] * m[:, :, None] * (1 - torch.eye(n, dtype=ct, device=logits.device))
-    per_sample = (errors * pair).sum(dim=(-1, -2)) / (1e-5 + pair.sum(dim=(-1, -2)))
+    with fp32_region(logits.device.type):  # Boltz: the distogram loss with autocast off
+        target = target.to(ct)
+        p = target / target.sum(-1, keepdim=True).clamp(min=1)
+        errors = -(p * F.log_softmax(logits.to(ct), dim=-1)).sum(-1)
+        m = mask.to(ct)
+        pair = m[:, None, :] * m[:, :, None] * (1 - torch.eye(n, dtype=ct, device=logits.device))
+        per_sample = (errors * pair).sum(dim=(-1, -2)) / (1e-5 + pair.sum(dim=(-1, -2)))
     return per_sample.mean(), per_sample

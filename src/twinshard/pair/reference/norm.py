@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from twinshard.comm.amp import autocast_rule
+
 __all__ = ["LayerNorm", "compute_dtype"]
 
 AFFINE_CHUNK = 1 << 20  # elements of dy * xhat formed at once in backward (4 MiB in fp32)
@@ -70,9 +72,15 @@ def _affine_grads(
     return (total(gw) if want_w else None), (total(gb) if want_b else None)
 
 
+@autocast_rule("compute")
 class _LayerNormFn(torch.autograd.Function):
     """``F.layer_norm`` whose weight and bias gradients are reduced in a cascade order (see the
-    module docstring); the input gradient is torch's fused one. Once differentiable."""
+    module docstring); the input gradient is torch's fused one. Once differentiable.
+
+    Dtype path (cast="compute"): the caller passes x, weight and bias in ``compute_dtype`` (>=
+    fp32); normalised, saved and differentiated in it; the parameter gradients are cascade sums
+    in it.
+    """
 
     @staticmethod
     def forward(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from twinshard.comm.amp import fp32_region
 from twinshard.pair.reference.linear import Linear
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 
@@ -28,7 +29,8 @@ __all__ = ["OuterProductMean", "outer_product_sum"]
 
 def outer_product_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``o[b, i, j, c * h + d] = sum_s a[b, s, i, c] b[b, s, j, d]`` (flattened outer product)."""
-    o = torch.einsum("bsic,bsjd->bijcd", a, b)
+    with fp32_region(a.device.type):  # Boltz's .float() einsum: autocast off, a and b >= fp32
+        o = torch.einsum("bsic,bsjd->bijcd", a, b)
     return o.reshape(*o.shape[:3], a.shape[-1] * b.shape[-1])
 
 
@@ -56,7 +58,8 @@ class OuterProductMean(nn.Module):
     def pair_count(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``max(1, sum_s mask_si mask_sj)`` as ``[B, N, N, 1]``."""
         mk = mask.to(dtype)
-        return torch.einsum("bsi,bsj->bij", mk, mk).clamp(min=1).unsqueeze(-1)
+        with fp32_region(mk.device.type):  # counts: exact in dtype (>= fp32), never autocast
+            return torch.einsum("bsi,bsj->bij", mk, mk).clamp(min=1).unsqueeze(-1)
 
     def project_out(self, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.proj_o(o.to(dtype))

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from twinshard.comm.amp import fp32_region
 from twinshard.pair.reference.attention import AttentionPairBias
 from twinshard.pair.reference.dropout import CONVENTIONS, Dropout, assign_dropout_streams
 from twinshard.pair.reference.norm import LayerNorm
@@ -177,8 +178,9 @@ class PairformerLayer(nn.Module):
 
     def single_stack(self, s: torch.Tensor, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The single half: attention with pair bias (keys from the normed ``s``), transition."""
-        s_normed = self.pre_norm_s(s)
-        s = s + self.attention(s_normed, z, mask, k_in=s_normed)
+        with fp32_region(s.device.type):  # Boltz: the attention half with autocast off
+            s_normed = self.pre_norm_s(s)
+            s = s + self.attention(s_normed, z, mask, k_in=s_normed)
         s = s + self.transition_s(s)
         return self.s_post_norm(s)
 

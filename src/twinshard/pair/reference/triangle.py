@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from twinshard.comm.amp import fp32_region
 from twinshard.pair.reference.linear import Linear
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 
@@ -41,10 +42,11 @@ def triangle_contract(a: torch.Tensor, b: torch.Tensor, direction: str) -> torch
     outgoing: ``o[b, i, j, d] = sum_k a[b, i, k, d] b[b, j, k, d]``;
     incoming: ``o[b, i, j, d] = sum_k a[b, k, i, d] b[b, k, j, d]``.
     """
-    if direction == "outgoing":
-        return torch.einsum("bikd,bjkd->bijd", a, b)
-    if direction == "incoming":
-        return torch.einsum("bkid,bkjd->bijd", a, b)
+    with fp32_region(a.device.type):  # Boltz's .float() einsum: autocast off, a and b >= fp32
+        if direction == "outgoing":
+            return torch.einsum("bikd,bjkd->bijd", a, b)
+        if direction == "incoming":
+            return torch.einsum("bkid,bkjd->bijd", a, b)
     raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
 
 

@@ -39,6 +39,7 @@ import math
 import torch
 from torch import nn
 
+from twinshard.comm.amp import fp32_region
 from twinshard.pair.reference.linear import Linear
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 
@@ -68,9 +69,10 @@ def attend(
     ``o_ij = sum_k softmax_k(q_ij . k_ik + bias_jk + mask_bias_ik) v_ik``, in the compute dtype.
     """
     ct = compute_dtype(q.dtype)
-    logits = torch.einsum("bihjd,bihkd->bihjk", q.to(ct), k.to(ct))
-    logits = logits + bias.to(ct).unsqueeze(1) + mask_bias.to(ct)[:, :, None, None, :]
-    return torch.einsum("bihjk,bihkd->bihjd", logits.softmax(dim=-1), v.to(ct))
+    with fp32_region(q.device.type):  # Boltz: the softmax region with autocast off
+        logits = torch.einsum("bihjd,bihkd->bihjk", q.to(ct), k.to(ct))
+        logits = logits + bias.to(ct).unsqueeze(1) + mask_bias.to(ct)[:, :, None, None, :]
+        return torch.einsum("bihjk,bihkd->bihjd", logits.softmax(dim=-1), v.to(ct))
 
 
 def _glorot_uniform_(w: torch.Tensor) -> None:
