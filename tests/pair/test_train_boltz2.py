@@ -6,8 +6,9 @@ tests/interop/test_boltz2_training.py).
   atom index): two steps; the loss of each step, the structure module's training outputs
   (``denoised_atom_coords``, ``aligned_true_atom_coords``, ``sigmas``), every parameter gradient
   of the first step by name, every weight after each AdamW update and the EMA weights equal serial
-  (fp64, round-off gate), identical on every rank. The losses: the distogram loss and, standing
-  in for the diffusion loss until it is merged, a test hook (the atom-mask-weighted squared error
+  (fp64, round-off gate), identical on every rank. The losses: the distogram loss, the confidence
+  losses (``layers.confidence_loss`` vs ``reference.confidence_loss``, 2 samples, PAE on) and,
+  standing in for the diffusion loss until it is merged, a test hook (the atom-mask-weighted squared error
   of ``denoised_atom_coords`` against ``aligned_true_atom_coords``, gathered with
   ``collect_tensor``), so the structure module, the conditioning and the trunk's last cycle get
   gradients through the training forward.
@@ -34,17 +35,18 @@ from model_inputs import model_config, model_features
 from twinshard.pair.features import collect_tensor, distribute
 from twinshard.pair.layers.model import CPBoltz2Model
 from twinshard.pair.reference.model import Boltz2Model
+from twinshard.pair.synthetic import synthetic_training_features
 from twinshard.pair.train_boltz2 import (
     Boltz2Training,
     LossHooks,
     TrainingArgs,
     distogram_term,
     recycling_steps_at,
-    training_targets,
 )
 from twinshard.testing import assert_parity, assert_replicated, grid_id, randomize_parameters, run_on_grid
 
 F64 = torch.float64
+TIMEOUT = 600.0  # the whole model, two steps, on shared cores
 FROZEN = (
     ".attention.proj_z.0.bias",
     ".pair_weighted_averaging.norm_z.bias",
@@ -64,8 +66,11 @@ def _model(cls, seed: int = 3):
 
 
 def _feats(n: int, seed: int) -> dict:
+    """The synthetic complex with Boltz's training features (``synthetic_training_features``; the
+    frames' conformer axis K = 1 squeezed, as Boltz2.training_step does)."""
     f = model_features(n, 1, seed=n)
-    f.update(training_targets(f, seed=seed))
+    f.update(synthetic_training_features(f, seed=seed))
+    f["frames_idx"], f["frame_resolved_mask"] = f["frames_idx"][:, 0], f["frame_resolved_mask"][:, 0]
     f["coords"] = f["coords"].to(F64)
     return f
 
@@ -93,6 +98,8 @@ def _args(c: dict) -> TrainingArgs:
         diffusion_samples=2,
         diffusion_loss_weight=0.5,
         distogram_loss_weight=0.3,
+        confidence_loss_weight=0.2,
+        alpha_pae=1.0,
         weight_decay=0.01,
         weight_decay_exclude=True,
         no_random_recycling_training=c.get("fixed", True),
@@ -131,7 +138,7 @@ CASES = [((2, 2), dict(n=11, m=3, seed=4)), ((2, 3), dict(n=10, m=1, seed=5))]
 def test_cp_step_matches_serial(grid, c):
     want = _run(_model(Boltz2Model, c["seed"]), _feats(c["n"], c["seed"]), c)
     assert len(want[0]["grads"]) > 200
-    ranks = run_on_grid(_rank, grid, c)
+    ranks = run_on_grid(_rank, grid, c, timeout=TIMEOUT)
     g = grid_id(grid)
     for r, got in enumerate(ranks):
         for i in range(2):
@@ -228,8 +235,8 @@ def test_resume_on_another_grid(tmp_path):
     straight.step(feats)
     want = _state(straight)
     path = tmp_path / "cp.ckpt"
-    run_on_grid(_first_half, (2, 2), c, str(path))
-    ranks = run_on_grid(_second_half, (1, 2), c, str(path))
+    run_on_grid(_first_half, (2, 2), c, str(path), timeout=TIMEOUT)
+    ranks = run_on_grid(_second_half, (1, 2), c, str(path), timeout=TIMEOUT)
     for r, got in enumerate(ranks):
         assert got["global_step"] == 2 and got["ema"]["cur_step"] == 2
         for n, w in want["params"].items():

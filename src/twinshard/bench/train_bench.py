@@ -5,7 +5,8 @@ serial ``Boltz2Model`` (rank 0, the same weights; the model of ``--op predict``)
 :class:`~twinshard.pair.train_boltz2.Boltz2Training` step (training forward with
 ``--diffusion-samples`` as ``multiplicity_diffusion_train``, ``--sampling-steps`` for the
 confidence inputs' sample, losses, backward, AdamW, EMA) on the synthetic complex with
-``training_targets``. The losses: the distogram loss and, until the diffusion loss is merged, the
+``synthetic_training_features``. The losses: the distogram and confidence losses (PAE on) and,
+until the diffusion loss is merged, the
 atom-mask-weighted squared error of ``denoised_atom_coords`` against the aligned true coordinates
 (gathered with ``collect_tensor``: ``[B m, A, 3]`` per rank, no pair-sized tensor), so the
 structure module, the conditioning and the trunk's last cycle run their backward. Measured: the
@@ -55,7 +56,8 @@ def train_rank(
     from twinshard.bench.predict_bench import _build, _features
     from twinshard.memory import peak_memory_during
     from twinshard.pair.features import distribute
-    from twinshard.pair.train_boltz2 import Boltz2Training, LossHooks, TrainingArgs, training_targets
+    from twinshard.pair.synthetic import synthetic_training_features
+    from twinshard.pair.train_boltz2 import Boltz2Training, LossHooks, TrainingArgs
     from twinshard.runtime import get_world, make_grid
 
     dtype = getattr(torch, dtype_name)
@@ -64,7 +66,11 @@ def train_rank(
     serial, cp = _build(o, dtype, seed)
     cp = cp.to(device)
     feats = _features(tokens, o, dtype, seed)
-    feats.update(training_targets(feats, seed=seed))
+    feats.update(synthetic_training_features(feats, seed=seed))
+    feats["frames_idx"], feats["frame_resolved_mask"] = (
+        feats["frames_idx"][:, 0],
+        feats["frame_resolved_mask"][:, 0],
+    )
     feats["coords"] = feats["coords"].to(dtype)
     feats = {k: v.to(device) for k, v in feats.items()}
     fd = distribute(feats, grid)
@@ -75,6 +81,8 @@ def train_rank(
         diffusion_samples=1,
         diffusion_loss_weight=1.0,
         distogram_loss_weight=1.0,
+        confidence_loss_weight=1.0,
+        alpha_pae=1.0,
         weight_decay=0.01,
         weight_decay_exclude=True,
     )

@@ -19,7 +19,8 @@ The losses are :class:`LossHooks`: ``distogram`` (here: ``reference.distogram.di
 ``pdistogram`` with ``disto_target`` / ``token_disto_mask``, serial; the fused
 ``CPDistogramHead.loss`` on ``z`` under CP), ``diffusion`` (default: the structure module's
 ``compute_loss(feats_train, out, multiplicity=m, **diffusion_loss_args)``, Boltz's signature,
-when the structure module has one) and ``confidence`` (default: none). A loss whose weight is 0
+when the structure module has one) and ``confidence`` (:func:`confidence_term`: the confidence
+losses of ``reference.confidence_loss`` / ``layers.confidence_loss`` on the true coordinates). A loss whose weight is 0
 and which has no hook is skipped (it adds exactly zero, as Boltz's ``0 * loss``); a loss with a
 positive weight and no hook raises.
 
@@ -63,6 +64,7 @@ __all__ = [
     "LossHooks",
     "TrainingArgs",
     "configure_optimizer",
+    "confidence_term",
     "dropout_seed",
     "nodecay_names",
     "recycling_steps_at",
@@ -292,22 +294,60 @@ def structure_compute_loss(
     )
 
 
+def confidence_term(
+    model: nn.Module, out: Mapping[str, Any], feats: Mapping[str, Any], args: TrainingArgs
+) -> Mapping[str, Any]:
+    """Boltz's ``confidence_loss(out, batch, true_coords, true_coords_resolved_mask,
+    token_level_confidence, alpha_pae, multiplicity=diffusion_samples)`` with the true coordinates
+    of ``get_true_coordinates`` without symmetry correction (``coords`` K = 1 and
+    ``atom_resolved_mask``, each element repeated ``diffusion_samples`` times): the serial
+    ``reference.confidence_loss`` or, under CP, ``layers.confidence_loss`` (``coords``'s K = 1
+    axis dropped locally, ``cp_true_coordinates``)."""
+    m = int(args.diffusion_samples)
+    kw = {
+        "token_level_confidence": args.token_level_confidence,
+        "multiplicity": m,
+        "alpha_pae": args.alpha_pae,
+    }
+    if _is_cp(model):
+        from twinshard.pair.layers.confidence_loss import confidence_loss, cp_true_coordinates
+        from twinshard.pair.layout import layout_of, with_layout
+        from twinshard.pair.tiling import SINGLE, from_local
+
+        c = feats["coords"]
+        if c.shape[1] != 1:
+            raise ValueError(f"the confidence loss takes one conformer (K = 1), coords has K = {c.shape[1]}")
+        one = from_local(c.to_local()[:, 0].contiguous(), c.device_mesh, SINGLE)
+        true, mask = cp_true_coordinates(
+            with_layout(one, layout_of(c), "atom"), feats["atom_resolved_mask"], m
+        )
+        return confidence_loss(out, feats, true, mask, **kw)
+    from twinshard.pair.reference.confidence_loss import confidence_loss, true_coordinates
+
+    true, mask = true_coordinates(feats, m)
+    return confidence_loss(out, feats, true, mask, **kw)
+
+
 @dataclass
 class LossHooks:
     """The three losses of the step, each ``fn(model, out, feats, args) -> {"loss", "loss_breakdown"}``
     (``out``: the training forward's dict, ``out["feats_train"]`` the features as Boltz's forward
-    leaves them); None: not available (allowed only with weight 0). :meth:`default` fills
-    ``diffusion`` when the structure module has ``compute_loss``."""
+    leaves them); None: not available (allowed only with weight 0; a hook runs at weight 0 too,
+    as Boltz computes every loss: its parameters then get exact-zero gradients, which AdamW's
+    weight decay still acts on). :meth:`default` fills ``diffusion`` when the structure module
+    has ``compute_loss`` and ``confidence`` when the model has a confidence module."""
 
     distogram: LossFn | None = distogram_term
     diffusion: LossFn | None = None
-    confidence: LossFn | None = None
+    confidence: LossFn | None = confidence_term
 
     @classmethod
     def default(cls, model: nn.Module) -> LossHooks:
         hooks = cls()
         if callable(getattr(model.structure_module, "compute_loss", None)):
             hooks.diffusion = structure_compute_loss
+        if getattr(model, "confidence_module", None) is not None:
+            hooks.confidence = confidence_term
         return hooks
 
 
