@@ -69,7 +69,6 @@ __all__ = [
     "nodecay_names",
     "recycling_steps_at",
     "sampling_steps_at",
-    "training_targets",
 ]
 
 LIGHTNING_VERSION = "2.5.0"  # the layout written (Lightning 2.x .ckpt keys)
@@ -528,34 +527,3 @@ class Boltz2Training:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
         self.load_checkpoint(box[0])
-
-
-# -- synthetic training targets ------------------------------------------------------------------
-
-
-def training_targets(
-    feats: Mapping[str, torch.Tensor], seed: int = 0, conformers: int = 1, num_bins: int = 64
-) -> dict[str, torch.Tensor]:
-    """Synthetic training targets for a feature dict: ``coords [B, K, A, 3]`` (a random walk of
-    3.8 A steps over the tokens plus ~1.5 A per-atom offsets, per conformer; padding atoms 0),
-    ``disto_target [B, N, N, K, bins]`` (Boltz's featuriser: the one-hot of the representative
-    atoms' distance against ``linspace(2, 22, bins - 1)``) and ``token_disto_mask`` (the token mask)."""
-    g = torch.Generator().manual_seed(int(seed))
-    a2t = feats["atom_to_token"].to(torch.float64)
-    b, a, n = a2t.shape
-    amask = feats["atom_pad_mask"].to(torch.float64)
-    steps = torch.randn(b, conformers, n, 3, generator=g, dtype=torch.float64)
-    steps = 3.8 * steps / steps.norm(dim=-1, keepdim=True)
-    centers = steps.cumsum(2)
-    coords = torch.einsum("ban,bknd->bkad", a2t, centers)
-    coords = coords + 1.5 * torch.randn(b, conformers, a, 3, generator=g, dtype=torch.float64)
-    coords = coords * amask[:, None, :, None]
-    rep = feats["token_to_rep_atom"].to(torch.float64)  # [B, N, A]
-    rp = torch.einsum("bna,bkad->bknd", rep, coords)
-    d = torch.cdist(rp, rp)  # [B, K, N, N]
-    bounds = torch.linspace(2, 22, num_bins - 1, dtype=torch.float64)
-    idx = (d[..., None] > bounds).sum(-1)
-    target = torch.nn.functional.one_hot(idx, num_bins).permute(0, 2, 3, 1, 4).to(torch.float32)
-    tmask = feats["token_pad_mask"].to(torch.float32)
-    target = target * (tmask[:, :, None] * tmask[:, None, :])[..., None, None]
-    return {"coords": coords.to(torch.float32), "disto_target": target, "token_disto_mask": tmask.clone()}
