@@ -330,7 +330,7 @@ _SPECS: tuple[FeatureSpec, ...] = (
 
 CONTRACT: dict[str, FeatureSpec] = {s.name: s for s in _SPECS}
 # the training targets (the whole-model training step): not inputs of the forward, not made by
-# synthetic_complex (twinshard.pair.train_boltz2.training_targets makes them)
+# synthetic_complex (twinshard.pair.synthetic.synthetic_training_features makes them)
 TRAINING_FEATURES = ("coords", "disto_target", "token_disto_mask")
 
 TEMPLATE_FEATURES = tuple(s.name for s in _SPECS if s.kind == "template")
