@@ -126,8 +126,10 @@ def normal(
     *keys: torch.Tensor | int,
     dtype: torch.dtype = torch.float64,
     device: torch.device | None = None,
+    block: int = 0,
 ) -> torch.Tensor:
-    """Standard normal draws (Box-Muller on two 53-bit uniforms), one per broadcast key."""
-    w = random_bits(seed, stream, *keys, device=device)
+    """Standard normal draws (Box-Muller on two 53-bit uniforms), one per broadcast key
+    (``block``: the counter's fourth word, as in :func:`random_bits`)."""
+    w = random_bits(seed, stream, *keys, block=block, device=device)
     u1, u2 = _u53(w[0], w[1]), _u53(w[2], w[3])
     return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)).to(dtype)

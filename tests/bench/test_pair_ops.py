@@ -132,3 +132,21 @@ def test_bench_pair_predict_op(capsys):
     assert len(run["peak_memory_bytes_per_rank"]) == 4 and run["peak_ratio_vs_serial_over_p"] > 0
     for k, e in run["errors"].items():
         assert e["max_abs"] <= 1e-11 * max(e["ref_scale"], 1.0), (k, e)
+
+
+def test_bench_pair_train_op(capsys):
+    """``--op train``: one whole-model training step (fp64, small widths) on 2x2 prints one JSON
+    object: per-rank peaks beside serial, the ratio, and the loss and updated weights against serial."""
+    import json
+
+    from twinshard.cli import main
+
+    small = [a if a != "8" or TRUNK_SMALL[i - 1] != "--bins" else "64" for i, a in enumerate(TRUNK_SMALL)]
+    argv = ["bench", "pair", "--op", "train", "--tokens", "10", "--grid", "2x2", "--json"]
+    assert main(argv + small + ["--diffusion-samples", "2", "--sampling-steps", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (run,) = out["runs"]
+    assert out["op"] == "train" and run["grid"] == "2x2" and run["multiplicity_diffusion_train"] == 2
+    assert len(run["peak_memory_bytes_per_rank"]) == 4 and run["peak_ratio_vs_serial_over_p"] > 0
+    for k, e in run["errors"].items():
+        assert e["max_abs"] <= 1e-11 * max(e["ref_scale"], 1.0), (k, e)

@@ -27,7 +27,7 @@ from twinshard.pair.feature_contract import (
 from twinshard.pair.synthetic import synthetic_complex
 
 ALL_FLAGS = {**RELEASED_BOLTZ2, "use_atom_backbone_feat": True, "use_residue_feats_atoms": True}
-KINDS = {"single", "pair", "msa", "sample", "atom", "atom_token", "token_atom", "template"}
+KINDS = {"single", "pair", "msa", "sample", "atom", "atom_token", "token_atom", "template", "atom_conf"}
 
 
 @pytest.mark.parametrize(

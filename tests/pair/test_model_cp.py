@@ -178,7 +178,9 @@ def test_model_names_and_training_raise():
     ]
     assert tops[tops.index("pairformer_module") + 1] == "diffusion_conditioning"
     assert [n for n, _ in build(CPBoltz2Model).named_parameters()] == [n for n, _ in model.named_parameters()]
-    with pytest.raises(NotImplementedError, match="eval"):
+    with pytest.raises(
+        ValueError, match="coords"
+    ):  # training mode is the training forward: it needs the targets
         model.train()(model_features(9), num_sampling_steps=STEPS)
     errors = run_on_grid(_disagree, (2, 2))
     assert all(e is not None and "diffusion_samples" in e for e in errors), errors

@@ -68,7 +68,7 @@ __all__ = ["OPS", "add_parser", "bench_rank", "measure", "parse_grid", "run"]
 
 # the trunk ops: twinshard.bench.pair_ops; "trunk": the whole Boltz-2 trunk (bench.whole_trunk);
 # "predict": the whole Boltz-2 inference forward (bench.predict_bench)
-OPS = ("trimul-out", "trimul-in", "opm") + TRUNK_OPS + ("trunk", "predict")
+OPS = ("trimul-out", "trimul-in", "opm") + TRUNK_OPS + ("trunk", "predict", "train")
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -496,6 +496,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from twinshard.bench.predict_bench import run_predict_bench
 
         return run_predict_bench(args, shapes, tokens)
+    if args.op == "train":  # one whole-model training step (bench.train_bench)
+        from twinshard.bench.train_bench import run_train_bench
+
+        return run_train_bench(args, shapes, tokens)
     if len(tokens) != 1:
         raise ValueError(f"several --tokens values ({tokens}) only with --op trunk or predict")
     args.tokens = tokens[0]

@@ -76,6 +76,7 @@ ATOM_FEATURES: dict[str, str] = {
     A2T: "atom_token",
     "token_to_rep_atom": "token_atom",
     "token_to_center_atom": "token_atom",
+    "coords": "atom_conf",  # [B, K, A, 3] true coordinates per conformer (training)
     "r_set_token_to_atom": "token_atom",  # derived by distribute from r_set_to_rep_atom
 }
 
@@ -84,6 +85,10 @@ ATOM_FEATURES: dict[str, str] = {
 
 
 def _atom_count(name: str, kind: str, shape: tuple[int, ...]) -> int:
+    if kind == "atom_conf":
+        if len(shape) < 3:
+            raise ValueError(f"atom_conf feature {name!r} must be [B, K, A, ...], got shape {shape}")
+        return shape[2]
     if kind == "atom":
         if len(shape) < 2:
             raise ValueError(f"atom feature {name!r} must be [B, A, ...], got shape {shape}")
@@ -270,6 +275,8 @@ def _mask_rows(x: torch.Tensor, valid: torch.Tensor, dim: int) -> torch.Tensor:
 def atom_tile(x: torch.Tensor, kind: str, layout: PairLayout, row: int) -> torch.Tensor:
     """Grid row ``row``'s tile of the full atom-kind tensor ``x`` (differentiable: the gradient
     reaching ``x`` covers this tile only). See the module docstring for the tile shapes."""
+    if kind == "atom_conf":  # [B, K, A, ...]: the atom tile of each conformer
+        return atom_tile(x.transpose(1, 2), "atom", layout, row).transpose(1, 2).contiguous()
     idx, valid = _row_index(layout, row, x.device)
     bi = torch.arange(x.shape[0], device=x.device)[:, None]
     nI = layout.padded[0] // layout.grid_shape[0]
@@ -286,6 +293,8 @@ def atom_tile(x: torch.Tensor, kind: str, layout: PairLayout, row: int) -> torch
 
 def _tile_shape(meta_shape: tuple[int, ...], kind: str, layout: PairLayout) -> tuple[int, ...]:
     b, d1, d2 = atom_tile_shape(layout, kind)
+    if kind == "atom_conf":
+        return (b, meta_shape[1], d1) + tuple(meta_shape[3:])
     return (b, d1) + (tuple(meta_shape[2:]) if d2 is None else (d2,))
 
 
@@ -326,6 +335,8 @@ def unblock_atoms(blocked: torch.Tensor, layout: PairLayout, kind: str) -> torch
     """The serial tensor (global atom order, Boltz's padded A, the caller's N) from the tiles
     gathered along the grid rows (``[B, R A_blk, ...]`` or ``[B, Nr, A_blk]``). Differentiable;
     the adjoint puts each atom's gradient back at its tile position (zero on the padding)."""
+    if kind == "atom_conf":  # [B, K, R A_blk, ...] -> [B, K, A, ...]
+        return unblock_atoms(blocked.transpose(1, 2), layout, "atom").transpose(1, 2)
     dev = blocked.device
     pos, row = _blocked_positions(layout, dev)
     bi = torch.arange(blocked.shape[0], device=dev)[:, None]
@@ -369,6 +380,8 @@ def atom_parts(
             continue
         if kind == "atom":
             out.append((local[b : b + 1, :c], (slice(b, b + 1), slice(s, s + c))))
+        elif kind == "atom_conf":
+            out.append((local[b : b + 1, :, :c], (slice(b, b + 1), slice(None), slice(s, s + c))))
         elif kind == "atom_token":
             out.append((local[b : b + 1, :c, : t1 - t0], (slice(b, b + 1), slice(s, s + c), slice(t0, t1))))
         else:

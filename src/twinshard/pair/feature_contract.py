@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "TRAINING_FEATURES",
     "ATOM_NAME_CHARS",
     "ATOM_NAME_CLASSES",
     "CONTRACT",
@@ -314,10 +315,23 @@ _SPECS: tuple[FeatureSpec, ...] = (
           'template pair features are kept where ids are equal (template id for covered chains, '
           '-1 - asym_id for the others)',
           'finite', ('TemplateV2Module (v2 only)',)),
+    # training features (issue 20 section 4: the whole-model training step)
+    _spec('coords', 'atom_conf', _F32, 'float', ('B', 'K', 'A', 3),
+          'true atom coordinates per conformer (training target)',
+          'finite', ('AtomDiffusion.forward (training)', 'diffusion loss')),
+    _spec('disto_target', 'pair', _F32, 'float', ('B', 'N', 'N', 'K', 'bins'),
+          'true distogram: per conformer a one-hot of the representative-atom distance bin',
+          'finite', ('distogram loss',)),
+    _spec('token_disto_mask', 'single', _F32, 'binary', 'BN',
+          '1 for a token whose representative atom is resolved (distogram loss mask)',
+          '{0, 1}', ('distogram loss',)),
 )
 # fmt: on
 
 CONTRACT: dict[str, FeatureSpec] = {s.name: s for s in _SPECS}
+# the training targets (the whole-model training step): not inputs of the forward, not made by
+# synthetic_complex (twinshard.pair.synthetic.synthetic_training_features makes them)
+TRAINING_FEATURES = ("coords", "disto_target", "token_disto_mask")
 
 TEMPLATE_FEATURES = tuple(s.name for s in _SPECS if s.kind == "template")
 # the training features (true structure side; synthetic.synthetic_training_features draws them,

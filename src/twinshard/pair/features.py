@@ -153,6 +153,7 @@ PLACEMENT_TABLE: dict[str, str] = {
     "modified": "single",
     "cyclic_period": "single",
     "frames_idx": "single",  # [B, N, 3] global atom indices of each token's frame (confidence pTM)
+    "token_disto_mask": "single",  # [B, N] distogram loss mask (training)
     "frame_resolved_mask": "single",  # [B, N] (training: confidence PAE loss)
     # per-token-pair features
     "token_bonds": "pair",
@@ -160,6 +161,7 @@ PLACEMENT_TABLE: dict[str, str] = {
     "contact_conditioning": "pair",
     "contact_threshold": "pair",
     "relative_position": "pair",
+    "disto_target": "pair",  # [B, N, N, K, bins] true distogram (training)
     # MSA features
     "msa": "msa",
     "has_deletion": "msa",

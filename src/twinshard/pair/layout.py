@@ -62,8 +62,11 @@ KINDS: dict[str, tuple[Placement, ...]] = {
     "atom": SINGLE,
     "atom_token": SINGLE,
     "token_atom": SINGLE,
+    # per-conformer atoms [B, K, A, ...] (the true coordinates ``coords``): the atom placement
+    # along dim 2, K whole; global shape [B, K, R*A_blk, ...]
+    "atom_conf": (Shard(2), Replicate()),
 }
-ATOM_KINDS = ("atom", "atom_token", "token_atom")
+ATOM_KINDS = ("atom", "atom_token", "token_atom", "atom_conf")
 
 
 # Token dims of each kind -> the grid axis (0: rows, 1: cols) that splits them; sequence dim.
@@ -209,12 +212,19 @@ def atom_tile_shape(layout: PairLayout, kind: str) -> tuple[int, int, int | None
             "atom_to_token) through twinshard.pair.features.distribute"
         )
     b, a, n = len(layout.atom_starts), layout.atom_block, layout.padded[0] // layout.grid_shape[0]
-    return {"atom": (b, a, None), "atom_token": (b, a, n), "token_atom": (b, n, a)}[kind]
+    return {
+        "atom": (b, a, None),
+        "atom_token": (b, a, n),
+        "token_atom": (b, n, a),
+        "atom_conf": (b, a, None),
+    }[kind]
 
 
 def _check_atom_fits(x: DTensor, layout: PairLayout, kind: str, what: str) -> None:
     b, d1, d2 = atom_tile_shape(layout, kind)
     local = tuple(x.to_local().shape)
+    if kind == "atom_conf":  # [B, K, A_blk, ...]: the atom dim is 2
+        local = local[:1] + local[2:] if len(local) >= 3 else local
     want = (b, d1) if d2 is None else (b, d1, d2)
     if local[: len(want)] != want:
         raise ValueError(
@@ -232,6 +242,8 @@ def atom_keep(layout: PairLayout, kind: str, row: int, device: torch.device | No
     atoms = torch.arange(layout.atom_block, device=device)[None, :] < counts[:, None]  # type: ignore[arg-type]
     if kind == "atom":
         return atoms
+    if kind == "atom_conf":
+        return atoms[:, None, :]
     nI = layout.padded[0] // layout.grid_shape[0]
     tokens = torch.arange(row * nI, (row + 1) * nI, device=device) < layout.n_tokens
     if kind == "atom_token":

@@ -24,7 +24,9 @@ tile-local slice; detaching re-attaches the layout (no data moves).
 Collectives: those of the parts (each part's docstring), plus one ``agree_scalars`` before
 anything else (training mode, recycling steps, sampling steps, samples, ``max_parallel_samples``,
 ``run_confidence_sequentially``), so a rank asked for another forward raises on every rank.
-Forward only (inference): no backward collectives.
+Inference: forward only. Training mode (``training_forward``, the serial one's): the parts'
+forward and backward collectives; the true coordinates ``coords`` (kind ``atom_conf``) are reshaped
+to the atom DTensor of the training samples locally.
 
 Memory per rank: the parts' (pair-sized activations serial / P, single-sized serial / R, atom
 coordinates and atom activations serial / R plus the window halo); no rank holds a full N x N,
@@ -43,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from twinshard.pair.layers.trunk import CPBoltz2Trunk
 from twinshard.pair.layout import layout_kind, layout_of, with_layout
 from twinshard.pair.reference.model import Boltz2Model
-from twinshard.pair.tiling import PAIR, from_local
+from twinshard.pair.tiling import PAIR, SINGLE, from_local
 from twinshard.runtime.agree import agree_scalars
 
 __all__ = ["CPBoltz2Model", "cp_model_parts"]
@@ -87,3 +89,23 @@ class CPBoltz2Model(CPBoltz2Trunk, Boltz2Model):
 
     def model_scalars(self, scalars: dict[str, Any]) -> None:
         agree_scalars(dict(scalars, grad_enabled=torch.is_grad_enabled()), type(self).__name__)
+
+    def training_coords(self, coords: DTensor, multiplicity: int) -> DTensor:  # type: ignore[override]
+        """The ``atom_conf`` DTensor ``coords [B, K, R A_blk, 3]`` -> the atom DTensor
+        ``[B m, R A_blk, 3]`` on ``sample_layout(layout, m)`` (local: the same reshape and repeat
+        as serial; no communication)."""
+        from twinshard.pair.layers.diffusion import sample_layout
+
+        lay = layout_of(coords)
+        if lay is None or layout_kind(coords) != "atom_conf":
+            raise ValueError("CPBoltz2Model: feats['coords'] must be the atom_conf DTensor of distribute")
+        local = coords.to_local()
+        b, k = local.shape[:2]
+        x = local.reshape((b * k,) + tuple(local.shape[2:])).repeat_interleave(multiplicity // k, 0)
+        return with_layout(
+            from_local(x.contiguous(), coords.device_mesh, SINGLE), sample_layout(lay, multiplicity), "atom"
+        )
+
+    def with_feature(self, feats: Any, name: str, value: Any) -> Any:  # type: ignore[override]
+        out = type(feats)({**feats, name: value}, feats.layout)
+        return out

@@ -86,6 +86,62 @@ class CPAtomDiffusion(AtomDiffusion):
         r = with_layout(from_local(r_noisy.contiguous(), self._grid.mesh, SINGLE), lay, "atom")
         return self.score_model(r_noisy=r, times=times, **kwargs).to_local()
 
+    def forward(  # type: ignore[override]
+        self,
+        s_inputs: Any,
+        s_trunk: Any,
+        feats: Any,
+        diffusion_conditioning: dict,
+        multiplicity: int = 1,
+        *,
+        draws: Any = None,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        """The training forward (the serial ``AtomDiffusion.forward``) on the grid: ``feats["coords"]``
+        an atom DTensor ``[B m, R A_blk, 3]`` on ``sample_layout(layout, m)``; returns
+        ``denoised_atom_coords`` and ``aligned_true_atom_coords`` there (padding exactly zero) and
+        ``sigmas [B m]`` plain, identical on every rank. Every draw is the serial one (global
+        atom index keys). Collectives: ``agree_scalars`` once; the centring's two atom sums (one
+        all-gather each along the grid column, no gradient: the true coordinates are data); the
+        score model's forward and backward (:class:`CPDiffusionModule`). Memory: the coordinate
+        tiles ``[B m, A_blk, 3]`` and the score model's activations for all m samples."""
+        what = f"{type(self).__name__}.forward"
+        tile = tile_features(feats, what)
+        layout, grid = tile.layout, tile.grid
+        m = int(multiplicity)
+        coords = feats["coords"]
+        check_placements(coords, SINGLE, f"{what} coords", ndim=3)
+        agree_scalars(
+            {
+                "multiplicity": m,
+                "coords_shape": tuple(coords.shape),
+                "seed": int(seed) if draws is None else None,
+                "draws": "counter" if draws is None else type(draws).__name__,
+                "synchronize_sigmas": bool(self.synchronize_sigmas),
+                "coordinate_augmentation": bool(self.coordinate_augmentation),
+            },
+            what,
+        )
+        draws = CounterDraws(seed) if draws is None else draws
+        local = coords.to_local()
+        mask = feats["atom_pad_mask"].to_local().repeat_interleave(m, 0).to(local.dtype)
+        frame = atom_frame(layout, grid.coords[0], m, local.device)
+        kwargs = {
+            "s_inputs": s_inputs,
+            "s_trunk": s_trunk,
+            "feats": feats,
+            "diffusion_conditioning": diffusion_conditioning,
+        }
+        self._grid, self._layout = grid, layout
+        try:
+            out = self._train(local, mask, frame, m, draws, kwargs)
+        finally:
+            self._grid = self._layout = None
+        lay = sample_layout(layout, m)
+        for k in ("denoised_atom_coords", "aligned_true_atom_coords"):
+            out[k] = with_layout(from_local(out[k].contiguous(), grid.mesh, SINGLE), lay, "atom")
+        return out
+
     @torch.no_grad()
     def sample(  # type: ignore[override]
         self,

@@ -29,8 +29,9 @@ then ``diffusion_conditioning``, ``structure_module``, ``distogram_module``, ``c
 so a whole Boltz-2 ``state_dict`` loads strict. Not supported (``ModelConfig.from_hparams`` raises):
 the affinity modules (``affinity_prediction``), the B-factor head (``predict_bfactor``),
 ``skip_run_structure`` / ``run_trunk_and_structure=False``, compiled modules, atom-level confidence,
-steering (the sampler raises), and the training forward (``multiplicity_diffusion_train``, the
-losses: issue 20 section 4): ``forward`` in training mode raises.
+steering (the sampler raises). In training mode ``forward`` is Boltz's training forward
+(:meth:`Boltz2Model.training_forward`: ``multiplicity_diffusion_train``, the true ``coords``); the
+losses, the optimizer and the EMA are ``twinshard.pair.train_boltz2``'s.
 """
 
 from __future__ import annotations
@@ -188,6 +189,98 @@ class Boltz2Model(Boltz2Trunk):
     def model_scalars(self, scalars: dict[str, Any]) -> None:
         """Serial: nothing to agree on (the twin checks these are equal on every rank first)."""
 
+    def training_coords(self, coords: torch.Tensor, multiplicity: int) -> torch.Tensor:
+        """Boltz's ``coords [B, K, A, 3] -> [B K, A, 3]``, each conformer repeated ``m / K`` times
+        (``K`` in ``(1, m)``): the rows ``b m + j`` of the training forward."""
+        b, k = coords.shape[:2]
+        return coords.reshape((b * k,) + tuple(coords.shape[2:])).repeat_interleave(multiplicity // k, 0)
+
+    def with_feature(self, feats: Mapping[str, Any], name: str, value: Any) -> dict[str, Any]:
+        """A copy of ``feats`` with ``name`` replaced (Boltz mutates its batch in place)."""
+        return {**feats, name: value}
+
+    def training_forward(
+        self,
+        feats: Mapping[str, torch.Tensor],
+        recycling_steps: int,
+        num_sampling_steps: int | None,
+        multiplicity_diffusion_train: int,
+        diffusion_samples: int,
+        max_parallel_samples: int | None,
+        run_confidence_sequentially: bool,
+        draws: Any,
+        seed: int,
+        dropout_seed: int | None,
+    ) -> dict[str, Any]:
+        """``Boltz2.forward`` in training mode (``structure_prediction_training``): the trunk (the
+        last recycling cycle with gradients), the diffusion conditioning with gradients, with
+        confidence a ``sample`` without gradients (its confidence inputs), the structure module's
+        training forward on the true coordinates (``multiplicity_diffusion_train`` samples per
+        element) and the confidence module on detached inputs. Returns Boltz's keys plus
+        ``"feats_train"``: ``feats`` with ``coords`` as Boltz leaves its batch (``[B m, A, 3]``),
+        what the diffusion loss reads."""
+        name = type(self).__name__
+        m = int(multiplicity_diffusion_train)
+        coords = feats.get("coords")
+        if coords is None or coords.dim() != 4:
+            raise ValueError(f"{name}: training needs feats['coords'] [B, K, A, 3] (the true coordinates)")
+        k = int(coords.shape[1])
+        if m < 1 or k not in (1, m):
+            raise ValueError(
+                f"{name}: coords has K = {k} conformers; multiplicity_diffusion_train = {m} needs K in (1, m)"
+            )
+        if self.model_config.confidence_prediction and k != 1:
+            raise ValueError(f"{name}: confidence training supports one conformer (K = 1), got K = {k}")
+        out = self.run_trunk(feats, recycling_steps, dropout_seed, keep_rel_pos=True)
+        s_inputs, s, z = out["s_inputs"], out["s"], out["z"]  # the last cycle's, with gradients
+        q, c, to_keys, atom_enc_bias, atom_dec_bias, token_trans_bias = self.diffusion_conditioning(
+            s, z, out["relative_position_encoding"], feats
+        )
+        conditioning = {
+            "q": q,
+            "c": c,
+            "to_keys": to_keys,
+            "atom_enc_bias": atom_enc_bias,
+            "atom_dec_bias": atom_dec_bias,
+            "token_trans_bias": token_trans_bias,
+        }
+        result: dict[str, Any] = {"pdistogram": out["pdistogram"], "s": s, "z": z}
+        if self.model_config.confidence_prediction:
+            result.update(
+                self.structure_module.sample(
+                    feats["atom_pad_mask"],
+                    num_sampling_steps,
+                    int(diffusion_samples),
+                    max_parallel_samples,
+                    self.model_config.steering_args,
+                    draws=draws,
+                    seed=seed,
+                    s_trunk=s,
+                    s_inputs=s_inputs,
+                    feats=feats,
+                    diffusion_conditioning=conditioning,
+                )
+            )
+        feats_train = self.with_feature(feats, "coords", self.training_coords(coords, m))
+        result.update(
+            self.structure_module(s_inputs, s, feats_train, conditioning, m, draws=draws, seed=seed)
+        )
+        result["feats_train"] = feats_train
+        if self.model_config.confidence_prediction:
+            result.update(
+                self.confidence_module(
+                    self.detached(s_inputs),
+                    self.detached(s),
+                    self.detached(z),
+                    self.detached(result["sample_atom_coords"]),
+                    feats,
+                    self.detached(self.first_distogram(result["pdistogram"])),
+                    multiplicity=int(diffusion_samples),
+                    run_sequentially=run_confidence_sequentially,
+                )
+            )
+        return result
+
     def forward(  # type: ignore[override]
         self,
         feats: Mapping[str, torch.Tensor],
@@ -199,10 +292,14 @@ class Boltz2Model(Boltz2Trunk):
         *,
         draws: Any = None,
         seed: int = 0,
+        multiplicity_diffusion_train: int = 1,
+        dropout_seed: int | None = None,
     ) -> dict[str, Any]:
         name = type(self).__name__
         self.model_scalars(
             {
+                "multiplicity_diffusion_train": int(multiplicity_diffusion_train),
+                "dropout_seed": dropout_seed,
                 "training": self.training,
                 "recycling_steps": int(recycling_steps),
                 "num_sampling_steps": num_sampling_steps,
@@ -211,13 +308,21 @@ class Boltz2Model(Boltz2Trunk):
                 "run_confidence_sequentially": bool(run_confidence_sequentially),
             }
         )
-        if self.training:
-            raise NotImplementedError(
-                f"{name}.forward is the inference forward (Boltz2.forward in eval mode): call "
-                "model.eval() first (the training forward and its losses are not implemented)"
-            )
         if int(diffusion_samples) != diffusion_samples or diffusion_samples < 1:
             raise ValueError(f"{name}: diffusion_samples must be an integer >= 1, got {diffusion_samples!r}")
+        if self.training:  # Boltz2.forward in training mode (training_forward)
+            return self.training_forward(
+                feats,
+                recycling_steps,
+                num_sampling_steps,
+                multiplicity_diffusion_train,
+                diffusion_samples,
+                max_parallel_samples,
+                run_confidence_sequentially,
+                draws,
+                seed,
+                dropout_seed,
+            )
         with torch.no_grad():  # Boltz2.forward: set_grad_enabled(training and ...) is off in eval
             out = self.run_trunk(feats, recycling_steps, None, keep_rel_pos=True)
             s_inputs, s, z = out["s_inputs"], out["s"], out["z"]

@@ -98,32 +98,76 @@ BOLTZ2_DIFFUSION_PARAMS: dict[str, Any] = {
 DRAW_KINDS = ("init", "rotation", "translation", "noise")
 # twinshard.rng streams of the counter-based draws (ASCII "DIF0", "DIFR", "DIFT", "DIFN")
 SAMPLER_STREAMS = {"init": 0x44494630, "rotation": 0x44494652, "translation": 0x44494654, "noise": 0x4449464E}
+# the training forward's draws (AtomDiffusion.forward): the noise levels ``[B]`` (``[B m]`` without
+# synchronize_sigmas), the augmentation's rotation ``[B m, 4]`` and translation ``[B m, 1, 3]``, the
+# noise ``[B m, A, 3]`` (ASCII "TRNS", "TRNR", "TRNT", "TRNN"); step 0
+TRAIN_DRAW_KINDS = ("sigma", "aug_rotation", "aug_translation", "train_noise")
+SAMPLER_STREAMS.update(
+    {
+        "sigma": 0x54524E53,
+        "aug_rotation": 0x54524E52,
+        "aug_translation": 0x54524E54,
+        "train_noise": 0x54524E4E,
+    }
+)
+_ATOM_DRAWS = ("init", "noise", "train_noise")
 
 DrawSource = Callable[..., torch.Tensor]
 
 
 class CounterDraws:
     """The twinshard convention: ``normal(seed, SAMPLER_STREAMS[kind], row, step, index)`` with
-    ``index`` the global atom index x 3 + component for ``init``/``noise``, the component (0-3,
-    0-2) for ``rotation``/``translation``. A pure function of the global indices."""
+    ``index`` the global atom index x 3 + component for ``init``/``noise``/``train_noise``, the
+    component (0-3, 0-2) for ``rotation``/``translation`` (and ``aug_*``), 0 for ``sigma`` (its
+    row the element ``b`` with ``synchronize_sigmas``). A pure function of the global indices.
+    ``global_step`` (training): the counter's block word, so each training step has its own draws
+    (None: block 0, the inference draws)."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, global_step: int | None = None):
         self.seed = int(seed)
+        self.global_step = None if global_step is None else int(global_step)
         normal(self.seed, 0, 0)  # validates the seed (an integer in [0, 2**32)) now
 
     def __call__(self, kind, step, shape, rows, atoms, dtype, device) -> torch.Tensor:
+        if self.global_step is not None:
+            # a training step's draws: the step keys them too (the stream of each global step)
+            return self._keyed(kind, step, rows, atoms, dtype, device, self.global_step)
+        return self._keyed(kind, step, rows, atoms, dtype, device, 0)
+
+    def _keyed(self, kind, step, rows, atoms, dtype, device, block) -> torch.Tensor:
         stream = SAMPLER_STREAMS[kind]
         rows = rows.to(device=device, dtype=torch.int64)
-        if kind in ("init", "noise"):
+        if kind == "sigma":
+            return normal(self.seed, stream, rows, int(step), 0, dtype=dtype, device=device, block=block)
+        if kind in _ATOM_DRAWS:
             comp = torch.arange(3, device=device)
             idx = atoms.to(device=device, dtype=torch.int64)[..., None] * 3 + comp
-            return normal(self.seed, stream, rows[:, None, None], int(step), idx, dtype=dtype, device=device)
-        if kind == "rotation":
+            # the global atom index keys the draw (the serial numbers on any grid)
             return normal(
-                self.seed, stream, rows[:, None], int(step), torch.arange(4, device=device), dtype=dtype
+                self.seed,
+                stream,
+                rows[:, None, None],
+                int(step),
+                idx,
+                dtype=dtype,
+                device=device,
+                block=block,
+            )
+        if kind in ("rotation", "aug_rotation"):
+            return normal(
+                self.seed,
+                stream,
+                rows[:, None],
+                int(step),
+                torch.arange(4, device=device),
+                dtype=dtype,
+                device=device,
+                block=block,
             )
         comp = torch.arange(3, device=device)[None, None, :]
-        return normal(self.seed, stream, rows[:, None, None], int(step), comp, dtype=dtype, device=device)
+        return normal(
+            self.seed, stream, rows[:, None, None], int(step), comp, dtype=dtype, device=device, block=block
+        )
 
 
 class GivenDraws:
@@ -142,7 +186,7 @@ class GivenDraws:
             )
         full = full.to(device=device, dtype=dtype)
         rows = rows.to(device=device, dtype=torch.int64)
-        if kind in ("init", "noise"):
+        if kind in _ATOM_DRAWS:
             return full[rows[:, None], atoms.to(device=device, dtype=torch.int64)]
         return full[rows]
 
@@ -365,6 +409,88 @@ class AtomDiffusion(nn.Module):
                 )
             x = noisy + step_scale * (sigma_t - t_hat) * ((noisy - den) / t_hat)
         return x
+
+    # -- training (Boltz's AtomDiffusion.forward) ---------------------------------------------------
+    def _train(
+        self,
+        coords: torch.Tensor,
+        atom_mask: torch.Tensor,
+        frame: SampleFrame,
+        m: int,
+        draws: DrawSource,
+        kwargs: dict,
+    ) -> dict[str, torch.Tensor]:
+        """The training forward on the entries ``frame`` holds (``coords``, ``atom_mask`` of those)."""
+        dtype, dev = coords.dtype, coords.device
+        rows_n = frame.rows.shape[0]
+        atoms = frame.atoms  # global atom indices: the noise of an atom is the serial one on any grid
+
+        def draw(kind, shape, rows=None):
+            return draws(kind, 0, shape, frame.rows if rows is None else rows, atoms, dtype, dev)
+
+        if self.synchronize_sigmas:  # one noise level per element, shared by its m samples
+            b = rows_n // m
+            eps = draw("sigma", (b,), torch.arange(b, device=dev)).repeat_interleave(m, 0)
+        else:
+            eps = draw("sigma", (rows_n,))
+        sigmas = self.sigma_data * (self.P_mean + self.P_std * eps).exp()
+        with torch.no_grad():  # center_random_augmentation: the mean over the real atoms (atom mask)
+            w = atom_mask[..., None]
+            x = frame.mask(
+                coords - self._atom_sum(coords * w, frame)[:, None] / self._atom_sum(w, frame)[:, None]
+            )
+            if self.coordinate_augmentation:
+                rot = quaternion_rotation(draw("aug_rotation", (rows_n, 4)))
+                x = frame.mask(torch.einsum("bmd,bds->bms", x, rot) + draw("aug_translation", (rows_n, 1, 3)))
+            noised = x + sigmas[:, None, None] * frame.mask(draw("train_noise", (rows_n, frame.n_atoms, 3)))
+        den = self.preconditioned_network_forward(noised, sigmas, dict(kwargs, multiplicity=m))
+        return {"denoised_atom_coords": frame.mask(den), "sigmas": sigmas, "aligned_true_atom_coords": x}
+
+    def forward(
+        self,
+        s_inputs: torch.Tensor,
+        s_trunk: torch.Tensor,
+        feats: Mapping[str, torch.Tensor],
+        diffusion_conditioning: dict,
+        multiplicity: int = 1,
+        *,
+        draws: DrawSource | None = None,
+        seed: int = 0,
+    ) -> dict[str, torch.Tensor]:
+        """Boltz's training forward (``AtomDiffusion.forward``; AF3 Algorithm 19 and the EDM
+        preconditioning): ``feats["coords"]`` the true coordinates ``[B m, A, 3]`` (each element's
+        rows ``b m + j``), returns ``denoised_atom_coords [B m, A, 3]`` (with gradients),
+        ``sigmas [B m]`` and ``aligned_true_atom_coords [B m, A, 3]``.
+
+        ``sigma = sigma_data exp(P_mean + P_std eps)`` with ``eps`` the ``"sigma"`` draw (``[B]``
+        repeated over the m samples with ``synchronize_sigmas``, else ``[B m]``); the true
+        coordinates centred on the mean over the real atoms (``atom_pad_mask``; Boltz's padding
+        atoms are shifted too), then, with ``coordinate_augmentation``, rotated by the
+        ``"aug_rotation"`` quaternion and shifted by the ``"aug_translation"`` normal draw; noised
+        with ``sigma x`` the ``"train_noise"`` draw; denoised by the preconditioned score model.
+        ``draws``: a draw source (default :class:`CounterDraws` of ``seed``)."""
+        coords = feats["coords"]
+        m = int(multiplicity)
+        if coords.dim() != 3 or coords.shape[0] % m:
+            raise ValueError(
+                f"{type(self).__name__}.forward: coords must be [B m, A, 3] with m = {m}, got {tuple(coords.shape)}"
+            )
+        rows_n, a = coords.shape[:2]
+        mask = feats["atom_pad_mask"].repeat_interleave(m, 0).to(coords.dtype)
+        frame = SampleFrame(
+            torch.arange(rows_n, device=coords.device),
+            torch.arange(a, device=coords.device).expand(rows_n, a),
+            None,
+            a,
+        )
+        draws = CounterDraws(seed) if draws is None else draws
+        kwargs = {
+            "s_inputs": s_inputs,
+            "s_trunk": s_trunk,
+            "feats": feats,
+            "diffusion_conditioning": diffusion_conditioning,
+        }
+        return self._train(coords, mask, frame, m, draws, kwargs)
 
     @torch.no_grad()
     def sample(
