@@ -29,18 +29,6 @@ from twinshard.runtime import reports, run_ranks
 __all__ = ["run_train_bench", "train_rank"]
 
 
-def _structure_mse(model, out, feats, args):
-    from torch.distributed.tensor import DTensor
-
-    from twinshard.pair.features import collect_tensor
-
-    den, true, mask = out["denoised_atom_coords"], out["aligned_true_atom_coords"], feats["atom_pad_mask"]
-    if isinstance(den, DTensor):
-        den, true, mask = collect_tensor(den), collect_tensor(true), collect_tensor(mask)
-    w = mask.to(den.dtype).repeat_interleave(den.shape[0] // mask.shape[0], 0)[..., None]
-    return {"loss": (((den - true) ** 2 * w).sum((1, 2)) / (3 * w.sum((1, 2)))).mean(), "loss_breakdown": {}}
-
-
 def train_rank(
     tokens: int,
     grid_shape: tuple[int, int],
@@ -86,8 +74,7 @@ def train_rank(
         weight_decay=0.01,
         weight_decay_exclude=True,
     )
-    hooks = LossHooks(diffusion=_structure_mse)
-    run = Boltz2Training(cp, args, seed=seed, losses=hooks)
+    run = Boltz2Training(cp, args, seed=seed, losses=LossHooks.default(cp))
     t0 = time.perf_counter()
     got, peak = peak_memory_during(lambda: run.step(fd), device)
     mine: dict[str, Any] = {"peak": peak, "seconds": time.perf_counter() - t0, "atoms": fd.layout.n_atoms}
@@ -97,7 +84,7 @@ def train_rank(
     if grid.rank != 0:
         return mine
     serial = serial.to(device)
-    srun = Boltz2Training(serial, args, seed=seed, losses=hooks)
+    srun = Boltz2Training(serial, args, seed=seed, losses=LossHooks.default(serial))
     t0 = time.perf_counter()
     ref, speak = peak_memory_during(lambda: srun.step(feats), device)
     mine["serial_seconds"] = time.perf_counter() - t0
