@@ -199,6 +199,68 @@ class Boltz2Model(Boltz2Trunk):
         """A copy of ``feats`` with ``name`` replaced (Boltz mutates its batch in place)."""
         return {**feats, name: value}
 
+    def conditioning(self, s: Any, z: Any, rel: Any, feats: Mapping[str, Any]) -> dict[str, Any]:
+        """The diffusion conditioning of the trunk's ``s``, ``z`` and relative positions ``rel``, as
+        Boltz's dict (``q, c, to_keys, atom_enc_bias, atom_dec_bias, token_trans_bias``)."""
+        parts = self.diffusion_conditioning(s, z, rel, feats)
+        return dict(zip(("q", "c", "to_keys", "atom_enc_bias", "atom_dec_bias", "token_trans_bias"), parts))
+
+    def sample(
+        self,
+        s: Any,
+        s_inputs: Any,
+        feats: Mapping[str, Any],
+        conditioning: Mapping[str, Any],
+        num_sampling_steps: int | None,
+        diffusion_samples: int,
+        max_parallel_samples: int | None,
+        draws: Any,
+        seed: int,
+    ) -> dict[str, Any]:
+        """The sampler as ``Boltz2.forward`` runs it: autocast off, on ``.float()`` inputs (``s``,
+        ``s_inputs``, the conditioning); here in the structure module's parameter dtype (fp32
+        under bf16-mixed, as Boltz; the model's dtype otherwise, so fp64 stays fp64)."""
+        sd = next(self.structure_module.parameters()).dtype
+        with fp32_region(s.device.type):
+            return self.structure_module.sample(
+                feats["atom_pad_mask"],
+                num_sampling_steps,
+                int(diffusion_samples),
+                max_parallel_samples,
+                self.model_config.steering_args,
+                draws=draws,
+                seed=seed,
+                s_trunk=self.cast(s, sd),
+                s_inputs=self.cast(s_inputs, sd),
+                feats=feats,
+                diffusion_conditioning={k: self.cast(v, sd) for k, v in conditioning.items()},
+            )
+
+    def confidence(
+        self,
+        s_inputs: Any,
+        s: Any,
+        z: Any,
+        result: Mapping[str, Any],
+        feats: Mapping[str, Any],
+        diffusion_samples: int,
+        run_sequentially: bool,
+    ) -> dict[str, Any]:
+        """The confidence module on detached inputs (the samples' coordinates, the first
+        distogram's logits), as ``Boltz2.forward``; ``{}`` without confidence prediction."""
+        if not self.model_config.confidence_prediction:
+            return {}
+        return self.confidence_module(
+            self.detached(s_inputs),
+            self.detached(s),
+            self.detached(z),
+            self.detached(result["sample_atom_coords"]),
+            feats,
+            self.detached(self.first_distogram(result["pdistogram"])),
+            multiplicity=int(diffusion_samples),
+            run_sequentially=run_sequentially,
+        )
+
     def training_forward(
         self,
         feats: Mapping[str, torch.Tensor],
@@ -233,52 +295,30 @@ class Boltz2Model(Boltz2Trunk):
             raise ValueError(f"{name}: confidence training supports one conformer (K = 1), got K = {k}")
         out = self.run_trunk(feats, recycling_steps, dropout_seed, keep_rel_pos=True)
         s_inputs, s, z = out["s_inputs"], out["s"], out["z"]  # the last cycle's, with gradients
-        q, c, to_keys, atom_enc_bias, atom_dec_bias, token_trans_bias = self.diffusion_conditioning(
-            s, z, out["relative_position_encoding"], feats
-        )
-        conditioning = {
-            "q": q,
-            "c": c,
-            "to_keys": to_keys,
-            "atom_enc_bias": atom_enc_bias,
-            "atom_dec_bias": atom_dec_bias,
-            "token_trans_bias": token_trans_bias,
-        }
+        conditioning = self.conditioning(s, z, out["relative_position_encoding"], feats)
         result: dict[str, Any] = {"pdistogram": out["pdistogram"], "s": s, "z": z}
+        sample_kw = (num_sampling_steps, diffusion_samples, max_parallel_samples, draws, seed)
         if self.model_config.confidence_prediction:
+            with torch.no_grad():
+                result.update(self.sample(s, s_inputs, feats, conditioning, *sample_kw))
+        feats_train = self.with_feature(feats, "coords", self.training_coords(coords, m))
+        sd = next(self.structure_module.parameters()).dtype
+        with fp32_region(s.device.type):  # Boltz: autocast off, s.float() and s_inputs.float()
             result.update(
-                self.structure_module.sample(
-                    feats["atom_pad_mask"],
-                    num_sampling_steps,
-                    int(diffusion_samples),
-                    max_parallel_samples,
-                    self.model_config.steering_args,
+                self.structure_module(
+                    self.cast(s_inputs, sd),
+                    self.cast(s, sd),
+                    feats_train,
+                    {k: self.cast(v, sd) for k, v in conditioning.items()},
+                    m,
                     draws=draws,
                     seed=seed,
-                    s_trunk=s,
-                    s_inputs=s_inputs,
-                    feats=feats,
-                    diffusion_conditioning=conditioning,
                 )
             )
-        feats_train = self.with_feature(feats, "coords", self.training_coords(coords, m))
-        result.update(
-            self.structure_module(s_inputs, s, feats_train, conditioning, m, draws=draws, seed=seed)
-        )
         result["feats_train"] = feats_train
-        if self.model_config.confidence_prediction:
-            result.update(
-                self.confidence_module(
-                    self.detached(s_inputs),
-                    self.detached(s),
-                    self.detached(z),
-                    self.detached(result["sample_atom_coords"]),
-                    feats,
-                    self.detached(self.first_distogram(result["pdistogram"])),
-                    multiplicity=int(diffusion_samples),
-                    run_sequentially=run_confidence_sequentially,
-                )
-            )
+        result.update(
+            self.confidence(s_inputs, s, z, result, feats, diffusion_samples, run_confidence_sequentially)
+        )
         return result
 
     def forward(  # type: ignore[override]
@@ -327,49 +367,22 @@ class Boltz2Model(Boltz2Trunk):
             out = self.run_trunk(feats, recycling_steps, None, keep_rel_pos=True)
             s_inputs, s, z = out["s_inputs"], out["s"], out["z"]
             rel = out["relative_position_encoding"]
-            q, c, to_keys, atom_enc_bias, atom_dec_bias, token_trans_bias = self.diffusion_conditioning(
-                s, z, rel, feats
-            )
-            conditioning = {
-                "q": q,
-                "c": c,
-                "to_keys": to_keys,
-                "atom_enc_bias": atom_enc_bias,
-                "atom_dec_bias": atom_dec_bias,
-                "token_trans_bias": token_trans_bias,
-            }
+            conditioning = self.conditioning(s, z, rel, feats)
             result: dict[str, Any] = {"pdistogram": out["pdistogram"], "s": s, "z": z}
-            # Boltz: the sampler with autocast off on .float() inputs (s, s_inputs and the
-            # conditioning): here in the structure module's parameter dtype (fp32 under bf16-mixed,
-            # as Boltz; the model's dtype otherwise, so fp64 stays fp64)
-            sd = next(self.structure_module.parameters()).dtype
-            with fp32_region(s.device.type):
-                result.update(
-                    self.structure_module.sample(
-                        feats["atom_pad_mask"],
-                        num_sampling_steps,
-                        int(diffusion_samples),
-                        max_parallel_samples,
-                        self.model_config.steering_args,
-                        draws=draws,
-                        seed=seed,
-                        s_trunk=self.cast(s, sd),
-                        s_inputs=self.cast(s_inputs, sd),
-                        feats=feats,
-                        diffusion_conditioning={k: self.cast(v, sd) for k, v in conditioning.items()},
-                    )
-                )
-        if self.model_config.confidence_prediction:
             result.update(
-                self.confidence_module(
-                    self.detached(s_inputs),
-                    self.detached(s),
-                    self.detached(z),
-                    self.detached(result["sample_atom_coords"]),
+                self.sample(
+                    s,
+                    s_inputs,
                     feats,
-                    self.detached(self.first_distogram(result["pdistogram"])),
-                    multiplicity=int(diffusion_samples),
-                    run_sequentially=run_confidence_sequentially,
+                    conditioning,
+                    num_sampling_steps,
+                    diffusion_samples,
+                    max_parallel_samples,
+                    draws,
+                    seed,
                 )
             )
+        result.update(
+            self.confidence(s_inputs, s, z, result, feats, diffusion_samples, run_confidence_sequentially)
+        )
         return result
