@@ -45,6 +45,8 @@ from twinshard.runtime.mesh import DPCPMesh
 
 __all__ = ["ShardedAdamW"]
 
+PIECE = 1 << 20  # elements per AdamW piece of a chunk (bounds the update's temporaries)
+
 
 class ShardedAdamW:
     """``torch.optim.AdamW(params, lr, betas, eps, weight_decay)`` with its state and the
@@ -52,7 +54,8 @@ class ShardedAdamW:
 
     ``keep_grads=True`` all-gathers the reduced gradient back into every ``p.grad`` (tests: it
     costs the memory the sharding saves). ``state`` and ``param_groups`` are those of the inner
-    AdamW over this rank's flat chunk (step counts and hyperparameters, agreed by the step)."""
+    AdamW over this rank's flat chunk, stepped in pieces of ``PIECE`` elements (step counts and
+    hyperparameters, agreed by the step)."""
 
     def __init__(
         self,
@@ -80,9 +83,12 @@ class ShardedAdamW:
             raise ValueError("dp_group ranks are not in replica order")
         with torch.no_grad():
             flat = self._flat([p.detach() for p in self.params])
-            self.shard = torch.nn.Parameter(self._chunk(flat, self.index).clone())
+            self.shard = self._chunk(flat, self.index).clone()  # this rank's flat chunk
+        # stepped as pieces that share its storage: AdamW's temporaries (sqrt(v), the update)
+        # are then one piece at a time, not the whole chunk
+        self.pieces = [torch.nn.Parameter(v) for v in self.shard.split(PIECE)]
         self.optimizer = torch.optim.AdamW(
-            [self.shard], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+            self.pieces, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
         )
 
     # -- views -------------------------------------------------------------------------------
@@ -105,7 +111,8 @@ class ShardedAdamW:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
-        self.shard.grad = None
+        for piece in self.pieces:
+            piece.grad = None
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError(
@@ -120,19 +127,29 @@ class ShardedAdamW:
         mesh = self.mesh
         per = mesh.shape[1] * mesh.shape[2]
         pos = self.index % per
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._flat(grads)
-        for p in self.params:  # the full gradients are not kept (the point of sharding them)
+        # one flat gradient, filled parameter by parameter, each full gradient freed once copied
+        # (the point of sharding them: the step never holds two full copies)
+        flat = self.params[0].new_zeros(self.chunk * mesh.size)
+        i = 0
+        for p in self.params:
+            if p.grad is not None:
+                flat[i : i + p.numel()].copy_(p.grad.reshape(-1))
             p.grad = None
-        del grads
+            i += p.numel()
         # my dp group's chunks, in replica order: chunk d * per + pos goes to replica d's rank
-        send = torch.cat([self._chunk(flat, d * per + pos) for d in range(mesh.dp)]) * weight
+        send = torch.stack([self._chunk(flat, d * per + pos) for d in range(mesh.dp)]).reshape(-1)
         del flat
+        send.mul_(weight)
         shard_grad = P.reduce_scatter(send, 0, mesh.dp_group, op="zero:grad_reduce_scatter")
         del send
-        self.shard.grad = shard_grad
-        self.optimizer.step()
-        full = P.all_gather(self.shard.detach(), 0, dist.group.WORLD, op="zero:param_all_gather")
+        for piece, g in zip(self.pieces, shard_grad.split(PIECE)):
+            piece.grad = g
+        self.optimizer.step()  # in place on the pieces, i.e. on self.shard
+        for piece in self.pieces:
+            piece.grad = None  # freed before the gathered parameters arrive
+        if not self.keep_grads:
+            del shard_grad
+        full = P.all_gather(self.shard, 0, dist.group.WORLD, op="zero:param_all_gather")
         with torch.no_grad():
             i = 0
             for p in self.params:

@@ -111,8 +111,7 @@ def _rank_dp(shape, b, n, steps, sharded=False):
         out.append((loss, *_snapshot(model)))
     held = None
     if sharded:  # the moments a rank holds: its chunk only
-        st = opt.state[opt.shard]
-        held = (st["exp_avg"].numel(), opt.numel, mesh.size)
+        held = (sum(opt.state[q]["exp_avg"].numel() for q in opt.pieces), opt.numel, mesh.size)
     return out, batch.split, held
 
 
