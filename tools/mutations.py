@@ -1276,8 +1276,8 @@ MUTATIONS: list[Mutation] = [
         "zero_shard_steps_other_grad",
         "wrong shard",
         "optim.py",
-        "self._chunk(flat, d * per + pos) for d in range(mesh.dp)",
-        "self._chunk(flat, (d * per + pos + 1) % mesh.size) for d in range(mesh.dp)",
+        "self._copy_range((d * per + pos) * self.chunk,",
+        "self._copy_range(((d * per + pos + 1) % mesh.size) * self.chunk,",
         ("tests/pair/test_dp_cp.py::test_sharded_adamw_matches_serial",),
     ),
 ]

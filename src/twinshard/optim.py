@@ -28,8 +28,11 @@ not see. Written on ``torch.distributed`` collectives through ``twinshard.comm.p
 Collectives per step: one reduce-scatter over ``dp_group`` (skipped when ``dp = 1``), one
 all-gather over the world, in the parameters' dtype (sums in >= fp32). Memory per rank: the
 moments and the gradient chunk ``3 L / P`` plus a flat parameter chunk ``L / P`` (``L``: the
-trainable elements), instead of ``3 L``; transiently one flat gradient and one flat gathered
-parameter vector of ``L`` during the step. Parameters (``L``) stay replicated.
+trainable elements), instead of ``3 L``; transiently the send buffer ``L / (rows cols)`` (copied
+straight from the gradients, which are then freed), the chunk's AdamW temporaries (one
+``PIECE`` at a time) and the gathered parameters ``L``. Parameters (``L``) stay replicated, and
+the full gradients exist at the end of backward (the twins' CP all-reduces produce them): the
+floor of the peak is the backward's.
 """
 
 from __future__ import annotations
@@ -108,6 +111,16 @@ class ShardedAdamW:
     def _chunk(self, flat: torch.Tensor, k: int) -> torch.Tensor:
         return flat[k * self.chunk : (k + 1) * self.chunk]
 
+    def _copy_range(self, lo: int, out: torch.Tensor) -> None:
+        """``out <- flat_gradient[lo : lo + len(out)]`` (zeros past the end and for ``None``)."""
+        hi, start = lo + out.numel(), 0
+        for p in self.params:
+            end = start + p.numel()
+            a, b = max(lo, start), min(hi, end)
+            if a < b and p.grad is not None:
+                out[a - lo : b - lo].copy_(p.grad.reshape(-1)[a - start : b - start])
+            start = end
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
@@ -127,18 +140,13 @@ class ShardedAdamW:
         mesh = self.mesh
         per = mesh.shape[1] * mesh.shape[2]
         pos = self.index % per
-        # one flat gradient, filled parameter by parameter, each full gradient freed once copied
-        # (the point of sharding them: the step never holds two full copies)
-        flat = self.params[0].new_zeros(self.chunk * mesh.size)
-        i = 0
-        for p in self.params:
-            if p.grad is not None:
-                flat[i : i + p.numel()].copy_(p.grad.reshape(-1))
+        # my dp group's chunks, in replica order (chunk d * per + pos goes to replica d's rank),
+        # copied straight from the parameters' gradients: no flat copy of the whole gradient
+        send = self.params[0].new_zeros(mesh.dp * self.chunk)
+        for d in range(mesh.dp):
+            self._copy_range((d * per + pos) * self.chunk, send[d * self.chunk : (d + 1) * self.chunk])
+        for p in self.params:  # the full gradients are not kept (the point of sharding them)
             p.grad = None
-            i += p.numel()
-        # my dp group's chunks, in replica order: chunk d * per + pos goes to replica d's rank
-        send = torch.stack([self._chunk(flat, d * per + pos) for d in range(mesh.dp)]).reshape(-1)
-        del flat
         send.mul_(weight)
         shard_grad = P.reduce_scatter(send, 0, mesh.dp_group, op="zero:grad_reduce_scatter")
         del send
