@@ -1479,6 +1479,39 @@ MUTATIONS: list[Mutation] = [
         "x = den",
         ("tests/pair/test_structure_loss_cp.py::test_cp_loss_matches_serial[2x2-N10-m3-s2]",),
     ),
+    # -- data x context parallel training and the sharded AdamW (issue 21, sections 3 and 4)
+    M(
+        "dp_grad_reduced_twice",
+        "double reduction",
+        "pair/data_parallel.py",
+        'flat = P.all_reduce(flat, mesh.dp_group, op="dp:grad")',
+        'flat = P.all_reduce(P.all_reduce(flat, mesh.dp_group, op="dp:grad"), mesh.dp_group, op="dp:grad")',
+        ("tests/pair/test_dp_cp.py::test_dp_cp_step_matches_serial",),
+    ),
+    M(
+        "dp_average_over_world_size",
+        "wrong normaliser",
+        "pair/data_parallel.py",
+        "    return share / mesh.dp\n",
+        "    return share / mesh.size\n",
+        ("tests/pair/test_dp_cp.py::test_dp_cp_step_matches_serial",),
+    ),
+    M(
+        "dp_dropout_local_batch_index",
+        "wrong rng key",
+        "pair/data_parallel.py",
+        "with mesh.replica(), batch_offset(_offset(split, mesh.dp_index)):",
+        "with mesh.replica(), batch_offset(0):",
+        ("tests/pair/test_dp_cp.py::test_dp_cp_step_matches_serial",),
+    ),
+    M(
+        "zero_shard_steps_other_grad",
+        "wrong shard",
+        "optim.py",
+        "self._copy_range((d * per + pos) * self.chunk,",
+        "self._copy_range(((d * per + pos + 1) % mesh.size) * self.chunk,",
+        ("tests/pair/test_dp_cp.py::test_sharded_adamw_matches_serial",),
+    ),
 ]
 
 

@@ -76,6 +76,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="one training step (Pairformer stack + distogram loss + AdamW) instead of forward + backward",
     )
     p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="with --train-step: data-parallel replicas, each a --grid CP grid (dp x rows x cols ranks; "
+        "the --batch structures split over them)",
+    )
+    p.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="with --train-step: AdamW state and gradients sharded over all ranks (twinshard.optim.ShardedAdamW)",
+    )
+    p.add_argument(
         "--check-serial", action="store_true", help="run the serial trunk (or stack) on rank 0 and compare"
     )
     p.add_argument(
@@ -276,13 +288,21 @@ def train_rank(
     seed: int,
 ) -> dict[str, Any]:
     """One training step of ``CPTrunk`` on every rank (``--train-step``); this rank's figures."""
+    import torch.distributed as dist
+
+    from twinshard.optim import ShardedAdamW
+    from twinshard.pair.data_parallel import distribute_batch, dp_train_step
     from twinshard.pair.features import PairLayout, shard_tensor
     from twinshard.pair.reference.distogram import distogram_target
     from twinshard.pair.tiling import padded_tokens
     from twinshard.pair.train import CPTrunk, Trunk, train_step
+    from twinshard.runtime.mesh import make_dp_mesh
 
     dtype = getattr(torch, dtype_name)
-    grid = make_grid(tuple(grid_shape))
+    dp_mode = cfg.get("dp", 1) > 1 or cfg.get("shard_optimizer", False)
+    mesh = make_dp_mesh(cfg.get("dp", 1), *grid_shape) if dp_mode else None
+    grid = mesh.grid if mesh is not None else make_grid(tuple(grid_shape))
+    rank0 = dist.get_rank() == 0
     device = get_world().device
     kw = dict(
         num_heads=cfg["heads"],
@@ -319,22 +339,31 @@ def train_rank(
         "pair_mask": x["pair_mask"],
     }
     batch = {k: v.to(device) for k, v in batch.items()}
-    layout = PairLayout.for_sizes(tokens, grid)
-    kinds = dict(s="single", z="pair", target="pair", mask="single", pair_mask="pair")
-    sharded = {k: shard_tensor(v, kinds[k], grid, layout) for k, v in batch.items()}
-    if not check_serial or grid.rank != 0:
+    if mesh is not None:
+        sharded = distribute_batch(batch, mesh, n_tokens=tokens)
+    else:
+        layout = PairLayout.for_sizes(tokens, grid)
+        kinds = dict(s="single", z="pair", target="pair", mask="single", pair_mask="pair")
+        sharded = {k: shard_tensor(v, kinds[k], grid, layout) for k, v in batch.items()}
+    if not check_serial or not rank0:
         batch = {}
 
     def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.05)
 
-    opt = optimizer(cp)
+    if mesh is not None and cfg.get("shard_optimizer", False):
+        opt: Any = ShardedAdamW(cp.parameters(), mesh, lr=1e-3, weight_decay=0.05)
+    else:
+        opt = optimizer(cp)
     ledger = CommLedger()
     held: list[torch.Tensor] = []
 
     def cp_step() -> torch.Tensor:
         with ledger:
-            held.append(train_step(cp, opt, sharded, seed=seed + 100))
+            if mesh is not None:
+                held.append(dp_train_step(cp, opt, sharded, seed=seed + 100, mesh=mesh))
+            else:
+                held.append(train_step(cp, opt, sharded, seed=seed + 100))
         return held[-1]
 
     cpm = measure(cp_step, lambda loss: None, device)
@@ -352,8 +381,9 @@ def train_rank(
         "comm_fwd_recv": f["bytes_recv"],
         "comm_bwd": 0,
         "padded_tokens": list(padded_tokens(tokens, grid)),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in cp.parameters()),
     }
-    if not check_serial or grid.rank != 0:
+    if not check_serial or not rank0:
         return mine
     serial = serial.to(device)
     sopt = optimizer(serial)
@@ -385,7 +415,7 @@ def summarise(
     ranks: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """The JSON object: ``twinshard bench pair``'s keys (op ``pairformer``) plus the trunk's."""
-    P = shape[0] * shape[1]
+    P = shape[0] * shape[1] * cfg.get("dp", 1)
     item = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
     lower = 2 * cfg["layers"] * 2 * cfg["batch"] * tokens * tokens * cfg["pair"] / math.sqrt(P) * item
     r0 = ranks[0]
@@ -410,6 +440,9 @@ def summarise(
         "pair_heads": cfg["pair_heads"],
         "checkpointing": cfg["checkpointing"],
         "train_step": cfg.get("train_step", False),
+        "dp": cfg.get("dp", 1),
+        "shard_optimizer": cfg.get("shard_optimizer", False),
+        "parameter_bytes": r0.get("parameter_bytes"),
         "check_serial": serial_saved is not None,
         "max_abs_error_out": r0.get("err_out"),
         "max_abs_error_grad_inputs": r0.get("err_in"),
@@ -468,10 +501,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return run_whole(args, shape)
     cfg = config(args)
     cfg["train_step"] = bool(getattr(args, "train_step", False))
+    dp, shard = int(getattr(args, "dp", 1)), bool(getattr(args, "shard_optimizer", False))
+    if (dp != 1 or shard) and not cfg["train_step"]:
+        raise ValueError("--dp and --shard-optimizer apply to --train-step")
+    if dp < 1 or dp > cfg["batch"]:
+        raise ValueError(
+            f"--dp must be between 1 and --batch ({cfg['batch']}): each replica takes >= 1 structure"
+        )
+    if cfg["train_step"]:
+        cfg.update(dp=dp, shard_optimizer=shard)
     call = (args.tokens, shape, cfg, args.dtype, bool(args.check_serial), args.seed)
     fn = train_rank if cfg["train_step"] else trunk_rank
+    option = "--grid" if dp == 1 else "--dp x --grid"
     ranks = run_ranks(
-        run_in_mode, shape[0] * shape[1], args.precision, fn, *call, option="--grid", deadline=args.timeout
+        run_in_mode, dp * shape[0] * shape[1], args.precision, fn, *call, option=option, deadline=args.timeout
     )
     if not reports():  # rank 0 of the world summarises and prints
         return {}

@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from twinshard.comm import primitives as P
 from twinshard.comm.amp import autocast_rule
 from twinshard.runtime.grid import ProcessGrid
+from twinshard.runtime.scope import scope_rank
 from twinshard.runtime.world import get_world
 
 Group = P.Group
@@ -397,7 +397,7 @@ def permute(
     """Send ``x`` to global rank ``dst`` and receive a block from ``src`` (every rank takes part in
     one permutation of blocks). Backward: the inverse permutation."""
     shape = tuple(x.shape) if recv_shape is None else tuple(recv_shape)
-    if dst == src == dist.get_rank() and shape != tuple(x.shape):
+    if dst == src == scope_rank() and shape != tuple(x.shape):
         raise ValueError(f"permute to self: block {tuple(x.shape)} but recv_shape {shape}")
     # a block that stays is a local copy inside the exchange, which every rank must call
     return exchange([(dst, x)], [(src, shape)], op=op)[0]

@@ -8,8 +8,10 @@ which call them on local tensors in forward and backward. Every function:
   and casts the result back,
 - records calls and bytes in the active CommLedger,
 - is a no-op (a copy at most) on a group of one rank.
-Group arguments are process groups (None = the world); ``src``/indices are
-positions within the group, ``peer`` ranks in point-to-point calls are global.
+Group arguments are process groups (None = the world, or the sub-world of an active
+``twinshard.runtime.scope.sub_world``); ``src``/indices are positions within the group, ``peer``
+ranks in point-to-point calls are world ranks (sub-world ranks inside a sub-world, translated
+to global ones here).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from twinshard.comm import amp
 from twinshard.comm.ledger import record
 from twinshard.comm.placement import check_payload
+from twinshard.runtime.scope import default_group, scope_rank, to_global
 from twinshard.runtime.world import get_world
 
 Group = dist.ProcessGroup | None
@@ -78,15 +81,21 @@ def _audit_collective(op: str, dtype: torch.dtype, group: Group, kind: str) -> t
     return wide
 
 
+def resolve(group: Group) -> Group:
+    """``group``, or for ``None`` the active sub-world's group (``None``: the world)."""
+    return default_group() if group is None else group
+
+
 def group_size(group: Group) -> int:
-    return dist.get_world_size(group)
+    return dist.get_world_size(resolve(group))
 
 
 def group_rank(group: Group) -> int:
-    return dist.get_rank(group)
+    return dist.get_rank(resolve(group))
 
 
 def global_rank(group: Group, index: int) -> int:
+    group = resolve(group)
     return index if group is None else dist.get_global_rank(group, index)
 
 
@@ -110,6 +119,7 @@ def _pad0(x: torch.Tensor, m: int) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor, group: Group = None, op: str = "all_reduce") -> torch.Tensor:
     """Sum of ``x`` over the group (a new tensor, x's dtype, summed in reduce_dtype)."""
+    group = resolve(group)
     check_payload(op, x)
     n = group_size(group)
     if n == 1:
@@ -125,6 +135,7 @@ def all_gather(
     x: torch.Tensor, dim: int, group: Group = None, sizes: Sequence[int] | None = None, op: str = "all_gather"
 ) -> torch.Tensor:
     """Concatenate every rank's block along ``dim``; ``sizes`` gives uneven block sizes."""
+    group = resolve(group)
     check_payload(op, x)
     n = group_size(group)
     if n == 1:
@@ -141,6 +152,8 @@ def all_gather(
     out = xt.new_empty((n * m,) + tuple(xt.shape[1:]))
     _all_gather_tensor(out, xt, group=group)
     record(op, nbytes(xt) * (n - 1), nbytes(xt) * (n - 1))
+    if all(s == m for s in sizes):  # no padding to drop: the gathered buffer is the result
+        return out.movedim(0, dim).to(x.dtype)
     blocks = [out[i * m : i * m + s] for i, s in enumerate(sizes)]
     return torch.cat(blocks).movedim(0, dim).to(x.dtype)
 
@@ -153,6 +166,7 @@ def reduce_scatter(
     op: str = "reduce_scatter",
 ) -> torch.Tensor:
     """Sum over the group, then keep this rank's block along ``dim`` (``sizes``: uneven blocks)."""
+    group = resolve(group)
     check_payload(op, x)
     n = group_size(group)
     if n == 1:
@@ -187,6 +201,7 @@ def all_to_all(
     op: str = "all_to_all",
 ) -> torch.Tensor:
     """Rows ``x[sum(send_splits[:j]) : ...]`` go to group rank j; blocks come back in rank order."""
+    group = resolve(group)
     check_payload(op, x)
     n = group_size(group)
     send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
@@ -209,6 +224,7 @@ def all_to_all(
 
 def broadcast(x: torch.Tensor, src: int = 0, group: Group = None, op: str = "broadcast") -> torch.Tensor:
     """``x`` of group rank ``src`` on every rank (others pass a tensor of the same shape and dtype)."""
+    group = resolve(group)
     check_payload(op, x)
     n = group_size(group)
     if n == 1:
@@ -222,6 +238,7 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group = None, op: str = "bro
 
 def reduce(x: torch.Tensor, dst: int = 0, group: Group = None, op: str = "reduce") -> torch.Tensor:
     """Sum over the group on group rank ``dst`` (zeros elsewhere), summed in reduce_dtype."""
+    group = resolve(group)
     check_payload(op, x)
     n = group_size(group)
     if n == 1:
@@ -260,7 +277,7 @@ def exchange(
     order, as every rank sees the same pairs), all non-blocking, so paired ranks never both block.
     Returns the received tensors in ``recvs`` order (or a Pending handle with ``async_op``).
     """
-    me = dist.get_rank()
+    me = scope_rank()
     if dtype is None:
         dtype = sends[0][1].dtype if sends else torch.float64
     # receive buffers live on the world's device (CUDA under NCCL), whatever the sends' device
@@ -281,12 +298,12 @@ def exchange(
     for peer in peers:
         pair = []
         if peer in bufs:
-            pair.append(dist.P2POp(dist.isend, bufs[peer], peer))
+            pair.append(dist.P2POp(dist.isend, bufs[peer], to_global(peer)))
             sent += nbytes(bufs[peer])
         for i, (p, shape) in enumerate(recvs):
             if p == peer:  # in the sender's dtype (an audit's mismatch: cast below)
                 received[i] = torch.empty(shape, dtype=theirs.get(p, dtype), device=device)
-                pair.append(dist.P2POp(dist.irecv, received[i], peer))
+                pair.append(dist.P2POp(dist.irecv, received[i], to_global(peer)))
                 got += nbytes(received[i])
         ops.extend(pair if me < peer else pair[::-1])
     for i, (p, shape) in enumerate(recvs):
@@ -328,16 +345,16 @@ def _audit_p2p(
         amp.record_wire(op, dtype, "send", p)
     for p in recv_peers:
         amp.record_wire(op, dtype, "recv", p)
-    me = dist.get_rank()
+    me = scope_rank()  # peers are ranks of the active sub-world (the world outside one)
     code = torch.tensor([_CODES.index(dtype)], dtype=torch.int64, device=device)
     got = {p: torch.empty(1, dtype=torch.int64, device=device) for p in recv_peers}
     ops = []
     for peer in sorted(set(send_peers) | set(recv_peers)):
         pair = []
         if peer in send_peers:
-            pair.append(dist.P2POp(dist.isend, code, peer))
+            pair.append(dist.P2POp(dist.isend, code, to_global(peer)))
         if peer in got:
-            pair.append(dist.P2POp(dist.irecv, got[peer], peer))
+            pair.append(dist.P2POp(dist.irecv, got[peer], to_global(peer)))
         ops.extend(pair if me < peer else pair[::-1])
     for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
@@ -359,10 +376,11 @@ def shift(
     """Ring shift along the ring ``ranks`` (global ranks in ring order, this rank among them):
     the block at ring position i moves to position i + k. Returns the block from i - k."""
     n = len(ranks)
-    i = list(ranks).index(dist.get_rank())
+    me = scope_rank()
+    i = list(ranks).index(me)
     dst, src = ranks[(i + k) % n], ranks[(i - k) % n]
     shape = tuple(x.shape) if recv_shape is None else tuple(recv_shape)
-    if dst == src == dist.get_rank() and shape == tuple(x.shape):
+    if dst == src == me and shape == tuple(x.shape):
         out = x.clone()
         return Pending([], [out]) if async_op else out
     res = exchange([(dst, x)], [(src, shape)], dtype=x.dtype, op=op, async_op=async_op)

@@ -45,6 +45,7 @@ from twinshard.comm import primitives as P
 from twinshard.pair.layout import ATOM_KINDS, PairLayout, atom_tile_shape, layout_kind, layout_of
 from twinshard.pair.tiling import pad_dim
 from twinshard.runtime import ProcessGrid, raise_together
+from twinshard.runtime.scope import default_group, to_global
 
 __all__ = [
     "ATOM_FEATURES",
@@ -229,11 +230,11 @@ def plan_atoms(
             err = exc
     if src is not None:
         box = [fields]
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=to_global(src), group=default_group())
         fields = box[0]
     elif grid.size > 1:
         got: list = [None] * grid.size
-        dist.all_gather_object(got, fields)
+        dist.all_gather_object(got, fields, group=default_group())
         ok = [g for g in got if g is not None]
         if err is None and any(g != ok[0] for g in ok):
             err = ValueError(

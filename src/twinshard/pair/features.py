@@ -100,6 +100,7 @@ from twinshard.pair.tiling import (
     tile_slices,
 )
 from twinshard.runtime import ProcessGrid, raise_together
+from twinshard.runtime.scope import default_group, scope_size, to_global
 
 __all__ = [
     "KINDS",
@@ -207,8 +208,8 @@ def collect_grad(grad: torch.Tensor, kind: str, grid: ProcessGrid) -> torch.Tens
     if not axes or grid.size == 1:
         return grad.clone()
     if len(axes) == grid.ndim:
-        if grid.size != dist.get_world_size():
-            raise ValueError("collect_grad: the pair grid must span the whole world")
+        if grid.size != scope_size():
+            raise ValueError("collect_grad: the pair grid must span the whole world or sub-world")
         group = None
     else:
         group = grid.mesh.get_group(axes[0])
@@ -397,7 +398,7 @@ def distribute(
         # gradients; a failure on src is reported as src's alone (the others do not plan).
         needs_grad = holds_data and features is not None and any(v.requires_grad for v in features.values())
         box = [(meta, needs_grad, err is not None)]
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=to_global(src), group=default_group())
         meta, needs_grad, src_failed = box[0]
         if err is None and needs_grad and not src_failed:
             err = ValueError(
@@ -408,7 +409,9 @@ def distribute(
             )
     elif grid.size > 1:  # every rank claims to hold the same features: check, don't trust
         sigs: list = [None] * grid.size
-        dist.all_gather_object(sigs, None if meta is None else sorted(meta.items(), key=str))
+        dist.all_gather_object(
+            sigs, None if meta is None else sorted(meta.items(), key=str), group=default_group()
+        )
         if err is None and any(sig != sigs[0] for sig in sigs if sig is not None):
             bad = [r for r, sig in enumerate(sigs) if sig != sigs[0]]
             err = ValueError(

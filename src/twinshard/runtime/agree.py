@@ -7,6 +7,7 @@ all ranks exchange their status (one small all-gather) and, if any failed,
 every rank raises the same RankFailure naming the failing ranks with their
 tracebacks. The body of a step must not itself issue collectives. ``agree_scalars``
 checks that control-flow values are identical on every rank before any rank uses them.
+``group=None`` is the world, or the active sub-world (``twinshard.runtime.scope``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from twinshard.runtime.errors import RankFailure
+from twinshard.runtime.scope import default_group
 from twinshard.runtime.world import format_exception, require_world
 
 
@@ -26,6 +28,7 @@ def raise_together(
 ) -> None:
     """Exchange status over ``group``; raise RankFailure on every rank if any rank passed an error."""
     world = require_world("raise_together")
+    group = default_group() if group is None else group  # None: the world or the active sub-world
     mine = None if exc is None else format_exception(exc)
     size = dist.get_world_size(group)
     statuses: list[tuple[int, str | None] | None] = [None] * size
@@ -88,7 +91,10 @@ def agree_scalars(values: Mapping[str, Any], what: str, group: dist.ProcessGroup
     each (``'seed': 11 on ranks [0, 1, 2], 12 on ranks [3]``; a long sequence at its first
     differing element: ``'checksum' at [7]: ...``). One all-gather of Python objects; a no-op
     without a process group of more than one rank."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if not dist.is_initialized():
+        return
+    group = default_group() if group is None else group  # None: the world or the active sub-world
+    if dist.get_world_size(group) == 1:
         return
     mine = sorted((str(k), v) for k, v in values.items())
     every: list = [None] * dist.get_world_size(group)

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from twinshard import comm
 from twinshard.pair.layout import PairLayout, _check_fits, layout_kind, layout_of, padding_keep, with_layout
 from twinshard.pair.tiling import check_placements, from_local, reduction_axes
+from twinshard.runtime.scope import scope_size
 
 __all__ = ["TokenwiseTwin", "grad_group", "mixing_layout", "pointwise", "replicated_params"]
 
@@ -48,14 +49,17 @@ def grad_group(mesh: DeviceMesh, placements: Sequence[Placement]) -> dist.Proces
     """Process group over which parameter gradients of a layer on ``placements`` are summed.
 
     Returns ``False`` when no mesh axis is sharded (nothing to sum), ``None`` (the
-    world) when every axis is sharded, else the subgroup of the one sharded axis.
+    world, or the active sub-world: a dp replica) when every axis is sharded, else the subgroup of the one sharded axis.
     """
     axes = reduction_axes(placements)
     if not axes:
         return False
     if len(axes) == mesh.ndim:
-        if mesh.size() != dist.get_world_size():
-            raise ValueError("the pair grid must span the whole world (make_grid of world size)")
+        if mesh.size() != scope_size():
+            raise ValueError(
+                "the pair grid must span the whole world or sub-world (make_grid of its size, or a "
+                "replica grid of twinshard.runtime.mesh.make_dp_mesh)"
+            )
         return None
     if len(axes) == 1:
         return mesh.get_group(axes[0])

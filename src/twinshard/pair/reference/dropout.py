@@ -29,25 +29,48 @@ So a site has no default stream: give ``stream=`` (an int, or a name hashed by
 the model, which derives each site's stream from its qualified module name (the
 serial model and its twin share names, so they share streams) and raises if two
 sites collide. A site still without a stream raises in training mode.
+
+Data parallelism. A replica that holds batch elements ``[k, k + B_local)`` of a larger batch
+draws their masks under ``with batch_offset(k):`` (the key is the element's index in the whole
+batch), so dp replicas together draw the serial masks of the whole batch. The offset is
+process-wide (backward's recomputation under checkpointing must see it too, on any thread).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from twinshard.rng import uniform
 
-__all__ = ["CONVENTIONS", "Dropout", "assign_dropout_streams", "dropout_mask", "stream_id"]
+__all__ = ["CONVENTIONS", "Dropout", "assign_dropout_streams", "batch_offset", "dropout_mask", "stream_id"]
 
 CONVENTIONS = ("af3", "boltz")
 
 # The "boltz" masks have no channel axis; they are keyed with this channel index, which no
 # tensor reaches, so the two conventions never share a draw.
 _BOLTZ_CHANNEL_KEY = 2**32 - 1
+
+
+_BATCH_OFFSET = 0
+
+
+@contextmanager
+def batch_offset(k: int) -> Iterator[None]:
+    """Masks drawn in the block key batch element ``b`` as ``k + b`` (module docstring)."""
+    global _BATCH_OFFSET
+    if int(k) < 0:
+        raise ValueError(f"a batch offset is a non-negative index, got {k}")
+    saved, _BATCH_OFFSET = _BATCH_OFFSET, int(k)
+    try:
+        yield
+    finally:
+        _BATCH_OFFSET = saved
 
 
 def stream_id(name: str) -> int:
@@ -86,7 +109,10 @@ def dropout_mask(
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     lead, (rows, cols, chans) = shape[:-3], shape[-3:]
     nb = math.prod(lead)
-    b = torch.arange(nb, dtype=torch.int64, device=device).view(nb, 1, 1)
+    # the flat leading index of element (b, rest...) is b * prod(rest) + ...: a batch offset of
+    # k elements (batch_offset) shifts it by k * prod(rest)
+    start = _BATCH_OFFSET * math.prod(lead[1:]) if lead else 0
+    b = torch.arange(start, start + nb, dtype=torch.int64, device=device).view(nb, 1, 1)
     ch = torch.arange(chans, dtype=torch.int64, device=device).view(1, 1, chans)
     # af3 row-wise and boltz column-wise vary along the columns; the other two along the rows.
     along_rows = columnwise == (convention == "af3")
