@@ -18,6 +18,9 @@ What each test proves:
   reference magnitude. The measured error is printed (the harness's evidence line).
 - ``test_backend_disagreement_raises``: one rank on another backend raises the same ValueError
   on every rank (the backend changes the rounding, so it is agreed), before any buffer moves.
+- ``test_serial_backend_bf16_within_reference_error``: bf16 parameters and activations: each
+  backend's error against the fp64 module, per output / gradient, within 2 x the reference
+  path's own error (``BF16_WHY``).
 - ``test_unknown_backend_refused``: a backend name not in the list is refused, naming the choices.
 
 Planted bugs (tools/mutations.py): the SDPA path dropping the mask bias, the log-sum-exp merge
@@ -257,3 +260,44 @@ def test_unknown_backend_refused():
         with attention_backend("cudnn"):
             pass
     assert BACKENDS == ("reference", "sdpa", "flex")
+
+
+BF16_WHY = (
+    "bf16 (parameters and activations): a backend differs from the reference path only inside "
+    "the fp32 attention region (both cast q, k, v and the bias to fp32 first), by fp32 round-off "
+    "far below one bf16 ulp; after the casts back to bf16 it can only flip roundings the reference "
+    "path also makes, so its error against the fp64 module is at most the reference path's own "
+    "error plus one more of the same size: <= 2 x the reference path's error, per compared tensor"
+)
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("op", OPS)
+def test_serial_backend_bf16_within_reference_error(op, backend):
+    b, n = 2, 7
+    x64 = _inputs(op, b, n, torch.float64)
+    x16 = {k: v.to(torch.bfloat16) for k, v in x64.items()}
+    truth_m = _serial(op, torch.float64)
+    truth = serial_reference(truth_m, _serial_call(op, truth_m, x64), _diff(op, x64), grad_seed=6)
+    runs = {}
+    for name in ("reference", backend):
+        m = _serial(op, torch.bfloat16, name)
+        runs[name] = serial_reference(m, _serial_call(op, m, x16), _diff(op, x16), grad_seed=6)
+
+    def errors(run):
+        out = {"out": run["serial_out"]} | {f"d/d{k}": g for k, g in run["serial_grads_in"].items()}
+        out |= {k: g for k, g in run["serial_param_grads"].items() if k not in ZERO_GRADS[op]}
+        want = {"out": truth["serial_out"]} | {f"d/d{k}": g for k, g in truth["serial_grads_in"].items()}
+        want |= {k: g for k, g in truth["serial_param_grads"].items() if k not in ZERO_GRADS[op]}
+        return {k: float((out[k].double() - want[k]).abs().max()) for k in want}
+
+    ref_err, got_err = errors(runs["reference"]), errors(runs[backend])
+    worst = max(got_err[k] / max(ref_err[k], 1e-30) for k in ref_err)
+    print(
+        f"bf16 {op} backend={backend}: worst error ratio to the reference path's {worst:.3f} (budget 2; {BF16_WHY})"
+    )
+    for k in ref_err:
+        assert got_err[k] <= 2 * ref_err[k], (
+            f"bf16 {op} backend={backend} {k}: error {got_err[k]:.3g} vs fp64 > 2 x the reference path's "
+            f"{ref_err[k]:.3g} ({BF16_WHY})"
+        )
