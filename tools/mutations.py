@@ -1422,6 +1422,31 @@ MUTATIONS: list[Mutation] = [
         'buf = x.to(_audit_collective(op, x.dtype, group, "all_reduce"))',
         ("tests/pair/test_dtype_paths.py::test_dtype_paths[2x2-trunk-bf16-fp32-plain]",),
     ),
+    # -- attention backends (issue 21 s. 2)
+    M(
+        "apb_sdpa_mask_bias_dropped",
+        "the SDPA path of attention with pair bias dropping the mask bias",
+        "pair/layers/attention.py",
+        "full = bias.to(ct) + mb.to(ct)[:, None, None, :]",
+        "full = bias.to(ct)",
+        ("tests/pair/test_attention_backends.py::test_cp_backend_matches_reference[2x2-N7-apb-sdpa]",),
+    ),
+    M(
+        "apb_lse_merge_own_block_max",
+        "the log-sum-exp merge shifting each key block by its own log-sum-exp, not the row's maximum",
+        "pair/layers/attention.py",
+        'm = _row_max(lse.unsqueeze(-1), grid, "apb:lse_max")  # the common shift, over the row\'s blocks',
+        "m = lse.detach().unsqueeze(-1)",
+        ("tests/pair/test_attention_backends.py::test_cp_backend_matches_reference[2x2-N7-apb-sdpa]",),
+    ),
+    M(
+        "triattn_backend_not_agreed",
+        "the attention backend not agreed across ranks (one rank on another backend goes unnoticed)",
+        "pair/layers/triangle_attention.py",
+        'agree_scalars({"attention_backend": backend}, f"{what}: the attention backend")  # it changes rounding',
+        "pass",
+        ("tests/pair/test_attention_backends.py::test_backend_disagreement_raises[tri-start]",),
+    ),
     # -- the diffusion loss (issue 20 section 4)
     M(
         "dloss_align_weights_dropped",

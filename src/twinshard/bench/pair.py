@@ -124,6 +124,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="seconds a rank may wait in one collective, and the whole run may take (the other "
         "ranks wait while rank 0 times the serial yardstick: minutes at N = 512)",
     )
+    p.add_argument(
+        "--backend",
+        choices=("reference", "sdpa", "flex"),
+        default="reference",
+        help="attention backend of triangle attention and attention with pair bias (serial and CP)",
+    )
     p.add_argument("--plot", default=None, help="FILE.png: time and memory per rank against ranks")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     from twinshard.bench.whole_trunk import add_trunk_options
@@ -263,11 +269,46 @@ def bench_rank(
     repeats: int = 0,
     warmup: int = 0,
     threads: int = 1,
+    backend: str = "reference",
 ) -> dict[str, Any]:
     """Run on every rank of a world of rows x cols ranks; returns this rank's figures.
 
     ``repeats`` > 0 adds the timed runs (``seconds_runs``, this rank's; serial and the matmul
-    rate on rank 0 with ``threads`` threads while the others wait)."""
+    rate on rank 0 with ``threads`` threads while the others wait). ``backend``: the attention
+    backend of the serial module and the twin (``twinshard.pair.reference.attention_backends``)."""
+    from twinshard.pair.reference.attention_backends import attention_backend
+
+    with attention_backend(backend):
+        return _bench_rank(
+            op,
+            tokens,
+            grid_shape,
+            dtype_name,
+            channels,
+            hidden,
+            sequences,
+            batch,
+            seed,
+            repeats,
+            warmup,
+            threads,
+        )
+
+
+def _bench_rank(
+    op: str,
+    tokens: int,
+    grid_shape: tuple[int, int],
+    dtype_name: str,
+    channels: int,
+    hidden: int,
+    sequences: int,
+    batch: int,
+    seed: int,
+    repeats: int,
+    warmup: int,
+    threads: int,
+) -> dict[str, Any]:
     if op in TRUNK_OPS:  # triangle attention, attention with pair bias, the Pairformer layer
         return bench_rank_op(op, tokens, grid_shape, dtype_name, channels, hidden, sequences, batch, seed)
     from twinshard.pair.features import PairLayout, with_layout
@@ -548,12 +589,16 @@ def _run_one(args: argparse.Namespace, shape: tuple[int, int]) -> dict[str, Any]
         getattr(args, "repeats", 0),
         getattr(args, "warmup", 0),
         threads,
+        getattr(args, "backend", "reference"),
     )
     t = float(getattr(args, "timeout", 3600.0))
     ranks = run_ranks(bench_rank, nranks, *call, option="--grid", deadline=t)
     if not reports():  # rank 0 of the world summarises
         return {}
-    return _summarise(args.op, args.tokens, shape, args, ranks)
+    return {
+        **_summarise(args.op, args.tokens, shape, args, ranks),
+        "backend": getattr(args, "backend", "reference"),
+    }
 
 
 def plot_runs(results: list[dict[str, Any]], path: str) -> None:

@@ -19,7 +19,12 @@ meets J_c). The pair bias ``b[I_r, J_c]`` is the local pair tile's. The serial m
 forms the partial softmax of its key block against the row maximum (an all-gather of the
 per-query maxima along the grid row, no gradient), and the partial normalisers and numerators
 are summed by one all-reduce along the grid row (a log-sum-exp merge), in
-``promote_types(dtype, float32)``. Masking follows ``key_mask_bias`` of the reference with
+``promote_types(dtype, float32)``. Attention backends (``backend=`` or the context,
+``twinshard.pair.reference.attention_backends``; agreed over the world first, since the backend
+changes the rounding): ``reference`` as just described; ``sdpa`` / ``flex`` run the fused
+kernel on the local key block, which returns the block's softmax output and log-sum-exp, and
+the blocks are merged with weights ``exp(lse_block - m)``, ``m`` the row maximum of the blocks'
+log-sum-exps (one all-gather of ``[B, H, Np/R]`` values), by the same all-reduce. Masking follows ``key_mask_bias`` of the reference with
 its per-sample max taken over the grid row; padded keys always get ``-inf``.
 
 Gradients. Parameters are replicated; every rank's contribution to a parameter gradient is a
@@ -31,7 +36,8 @@ So the parameter gradients are summed over the whole grid, and the gradient of `
 as queries, gate and, through the move, keys) is summed over the grid row, where ``s`` is
 replicated; it comes back complete and identical on every rank of the row.
 
-Collectives. Forward: the key move (one exchange, ``apb:keys``; the token mask rides the same
+Collectives. Forward: the agreement of the attention backend (one all-gather of a small
+Python object over the world, ``agree_scalars``), the key move (one exchange, ``apb:keys``; the token mask rides the same
 plan without gradient), an all-gather of the row maxima of the mask and of the logits along the
 grid row (``[B, Np/R, H]`` values per rank), one all-reduce of the partial normalisers and
 numerators along the grid row (``[B, Np/R, H (1 + c_s/H)]``). Backward: the adjoint of that
@@ -63,8 +69,10 @@ from twinshard.pair.layers.moves import MoveRows, column_moves, move_rows
 from twinshard.pair.layers.tokenwise import replicated_params
 from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.reference.attention import AttentionPairBias
+from twinshard.pair.reference.attention_backends import biased_attention, resolve_backend
 from twinshard.pair.reference.norm import compute_dtype
 from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local
+from twinshard.runtime.agree import agree_scalars
 from twinshard.runtime.grid import ProcessGrid
 
 __all__ = ["CPAttentionPairBias"]
@@ -117,12 +125,26 @@ def _merge_partials(
     return comm.all_reduce(l, grid.row_group), comm.all_reduce(acc, grid.row_group)
 
 
+def _merge_blocks(o: torch.Tensor, lse: torch.Tensor, grid: ProcessGrid) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused-backend form of :func:`_merge_partials`: the local key block's softmax output
+    ``o[B, H, I, d]`` and log-sum-exp ``lse[B, H, I]`` (both differentiable), weighted by
+    ``exp(lse - m)`` with ``m`` the row maximum of the blocks' ``lse`` and summed over the grid
+    row: ``(L[B, H, I], A[B, I, H, d])`` with ``softmax @ v = A / L``. A key block of padding only
+    (``lse = -inf``) weighs exactly zero."""
+    m = _row_max(lse.unsqueeze(-1), grid, "apb:lse_max")  # the common shift, over the row's blocks
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse.unsqueeze(-1) - m)
+    acc = torch.where(w > 0, o * w, torch.zeros_like(o)).transpose(1, 2)
+    return comm.all_reduce(w.squeeze(-1), grid.row_group), comm.all_reduce(acc, grid.row_group)
+
+
 @dataclass(frozen=True)
 class _TileArgs:
     mask: torch.Tensor
     key_real: torch.Tensor | None
     grid: ProcessGrid
     has_k_in: bool
+    backend: str = "reference"
 
 
 class CPAttentionPairBias(AttentionPairBias):
@@ -180,9 +202,11 @@ class CPAttentionPairBias(AttentionPairBias):
                 torch.arange(r * nI, (r + 1) * nI, device=s_local.device) < layout.n_tokens
             )
             key_real = torch.arange(c * nJ, (c + 1) * nJ, device=s_local.device) < layout.n_tokens
+        backend = resolve_backend(self.backend)
+        agree_scalars({"attention_backend": backend}, f"{what}: the attention backend")  # it changes rounding
         named = list(self.named_parameters())
         synced = replicated_params([p for _, p in named], z)  # partial contributions: sum over the grid
-        args = _TileArgs(mask_local, key_real, grid, k_in is not None)
+        args = _TileArgs(mask_local, key_real, grid, k_in is not None, backend)
         self._on_tile = True
         try:
             out = functional_call(
@@ -211,9 +235,16 @@ class CPAttentionPairBias(AttentionPairBias):
         if args.key_real is not None:
             mb = torch.where(args.key_real.view(1, -1), mb, torch.full_like(mb, -self.inf))
         with fp32_region(q.device.type):  # the softmax region, as the serial attend_single
-            logits = torch.einsum("bihd,bjhd->bhij", q.to(ct), k.to(ct))
-            logits = logits + bias.to(ct) + mb.to(ct)[:, None, None, :]
-            l, acc = _merge_partials(logits, v.to(ct), grid)
+            if args.backend == "reference":
+                logits = torch.einsum("bihd,bjhd->bhij", q.to(ct), k.to(ct))
+                logits = logits + bias.to(ct) + mb.to(ct)[:, None, None, :]
+                l, acc = _merge_partials(logits, v.to(ct), grid)
+            else:  # a fused kernel per key block, merged by its log-sum-exp
+                full = bias.to(ct) + mb.to(ct)[:, None, None, :]
+                ob, lse = biased_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), full, args.backend
+                )
+                l, acc = _merge_blocks(ob, lse, grid)
             o = acc / l.permute(0, 2, 1).unsqueeze(-1)
         out = self.project_out(o, g)
         return _ShareGrad.apply(out, grid.coords[1], grid.cols)

@@ -17,7 +17,11 @@ mod C`` (a Cannon-style skew, then one shift to the left per step) and the bias 
 ``b[J_c, K_kb]`` (heads x Np/C x Np/C), which its owners (the ranks of grid column kb whose
 row blocks meet J_c) send it for that step. Partial results merge with an online
 log-sum-exp softmax (flash-style) in ``promote_types(dtype, float32)``; the output keeps the
-log-sum-exp per query for backward. The next step's blocks are posted before the current
+log-sum-exp per query for backward. Attention backends (``backend=`` or the context,
+``twinshard.pair.reference.attention_backends``, agreed over the world first): ``reference``
+forms each step's logits explicitly; ``sdpa`` / ``flex`` run the fused kernel on each step's
+chunk (its additive bias ``b_jk + mb_ik`` formed as one chunk-sized tensor) and fold its output
+by its log-sum-exp; the backward is the same recompute for all three. The next step's blocks are posted before the current
 block is multiplied, so transfers overlap compute.
 
 Masking: ``key_mask_bias`` of the reference, with its row-wise max of the mask taken over the
@@ -30,7 +34,8 @@ by tile (``twinshard.comm.transpose_tiles``: one point-to-point exchange of tile
 on any grid shape, its own adjoint), the starting-node attention runs on the transposed
 tiles, and the output is transposed back.
 
-Collectives. Forward: one all-gather of the row maxima of the mask along the grid row
+Collectives. Forward: the agreement of the attention backend (one all-gather of a small Python
+object over the world, ``agree_scalars``); one all-gather of the row maxima of the mask along the grid row
 (``[B, Np/R]`` values per rank, no gradient); then C point-to-point exchanges along the ring
 (``tri_attn:ring``), each carrying one key/value/mask-bias tile to the left neighbour and one
 bias block from its owner(s); ending node: two more tile transpositions (z and the mask) and
@@ -69,9 +74,11 @@ from twinshard.comm.ops import transpose_tiles_local
 from twinshard.pair.features import layout_of, with_layout
 from twinshard.pair.layers.tokenwise import TokenwiseTwin, mixing_layout
 from twinshard.pair.layers.triangle import pair_grid
+from twinshard.pair.reference.attention_backends import biased_attention, resolve_backend
 from twinshard.pair.reference.norm import compute_dtype
 from twinshard.pair.reference.triangle_attention import TriangleAttention
 from twinshard.pair.tiling import PAIR, check_placements
+from twinshard.runtime.agree import agree_scalars
 from twinshard.runtime.grid import ProcessGrid
 
 __all__ = [
@@ -231,6 +238,37 @@ def _merge(
     )
 
 
+def _merge_block(
+    m: torch.Tensor | None,
+    l: torch.Tensor | None,
+    acc: torch.Tensor | None,
+    ob: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_merge` for a fused backend: fold a block's softmax output ``ob[B, I, H, J, d]``
+    and log-sum-exp ``lse[B, I, H, J]`` into the running max, normaliser and numerator. A block
+    of padded keys only (``lse = -inf``) weighs exactly zero."""
+    m_new = lse if m is None else torch.maximum(m, lse)
+    shift = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+    beta = torch.exp(lse - shift)
+    part = torch.where(beta.unsqueeze(-1) > 0, ob * beta.unsqueeze(-1), torch.zeros_like(ob))
+    if m is None:
+        return m_new, beta, part
+    alpha = torch.exp(m - shift)  # rescale what was summed under the old max
+    return m_new, l * alpha + beta, acc * alpha.unsqueeze(-1) + part
+
+
+def _block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, mb: torch.Tensor, backend: str
+):
+    """``(o, lse)`` of one ring step's chunk by a fused backend: ``q, k, v[B, rows, H, J|K, d]``,
+    the bias block ``[B, H, J, K]`` and mask bias ``[B, rows, K]`` summed into one additive bias
+    ``[B, rows, H, J, K]`` (the size of the chunk's logits), batch and rows flattened."""
+    full = (bias.unsqueeze(1) + mb[:, :, None, None, :]).flatten(0, 1)
+    o, lse = biased_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), full, backend)
+    return o.unflatten(0, q.shape[:2]), lse.unflatten(0, q.shape[:2])
+
+
 # Elements of one logits block [B, rows, H, J, K] a ring step holds at once (128 MiB in fp64).
 # Whole, the step's block is [B, N/R, H, N/C, N/C]: at N = 1024 on 2x2 with 4 heads in fp32,
 # 2 GiB against a 128-channel pair tile's 128 MiB. Rows i attend independently, so cutting
@@ -293,6 +331,12 @@ class _RingAttention(torch.autograd.Function):
     """``o[B, I, H, J, d] = sum_k softmax_k(q_ij . k_ik + b_jk + mb_ik) v_ik`` on this rank's
     tile, with the keys of the whole grid row (see the module docstring).
 
+    ``backend``: the forward's block softmax (``reference``: explicit logits and ``_merge``;
+    ``sdpa`` / ``flex``: the fused kernel per chunk, returning the block's output and
+    log-sum-exp, folded by ``_merge_block``). The backward is the same recompute for every
+    backend (the probabilities from the saved log-sum-exp), since no CPU kernel returns the
+    bias gradient.
+
     Dtype path (cast="compute": the triangle-attention softmax in fp32, autocast off): q, k, v,
     bias and the mask bias are cast once to ``ct = promote(q, fp32)``; keys, values, mask bias
     and bias rows travel, and the logits, the online softmax (running max, sum, accumulator) and
@@ -310,6 +354,7 @@ class _RingAttention(torch.autograd.Function):
         mb: torch.Tensor,
         grid: ProcessGrid,
         n: tuple[int, int],
+        backend: str = "reference",
     ) -> torch.Tensor:
         ct = compute_dtype(q.dtype)
         ctx.in_dtypes = (q.dtype, k.dtype, v.dtype, bias.dtype)
@@ -323,10 +368,16 @@ class _RingAttention(torch.autograd.Function):
             (kt, vt, mbt), bblk, _ = pend.wait()
             if t + 1 < C:  # the next blocks travel while this one is multiplied
                 pend = _Step(grid, n, t + 1, (kt, vt, mbt), bias, "tri_attn:ring")
-            state = [
-                _merge(*st, _logits(q[:, a:b], kt[:, a:b], bblk, mbt[:, a:b]), vt[:, a:b])
-                for st, (a, b) in zip(state, chunks)
-            ]
+            if backend == "reference":
+                state = [
+                    _merge(*st, _logits(q[:, a:b], kt[:, a:b], bblk, mbt[:, a:b]), vt[:, a:b])
+                    for st, (a, b) in zip(state, chunks)
+                ]
+            else:
+                state = [
+                    _merge_block(*st, *_block(q[:, a:b], kt[:, a:b], vt[:, a:b], bblk, mbt[:, a:b], backend))
+                    for st, (a, b) in zip(state, chunks)
+                ]
         m, l, acc = (_cat_rows([st[i] for st in state]) for i in range(3))
         o = acc / l.unsqueeze(-1)
         lse = m + torch.log(l)
@@ -379,11 +430,17 @@ class _RingAttention(torch.autograd.Function):
             for (_, rows), piece in zip(grecv, back):
                 dbias[:, :, rows] += piece
         dq_, dk_, dv_, db_ = (g.to(dt) for g, dt in zip((dq, dkt, dvt, dbias), ctx.in_dtypes))
-        return dq_, dk_, dv_, db_, None, None, None
+        return dq_, dk_, dv_, db_, None, None, None, None
 
 
 def ring_attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, mb: torch.Tensor, grid: ProcessGrid
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    mb: torch.Tensor,
+    grid: ProcessGrid,
+    backend: str = "reference",
 ) -> torch.Tensor:
     """The distributed ``attend`` of the reference on this rank's tiles (differentiable).
 
@@ -395,7 +452,7 @@ def ring_attend(
         raise ValueError(
             f"tile {tuple(q.shape)} does not tile an N x N pair on a {grid.rows}x{grid.cols} grid"
         )
-    return _RingAttention.apply(q, k, v, bias, mb.detach(), grid, n)
+    return _RingAttention.apply(q, k, v, bias, mb.detach(), grid, n, backend)
 
 
 def ring_mask_bias(
@@ -418,6 +475,7 @@ class _TileArgs:
     mask: torch.Tensor
     key_real: torch.Tensor | None
     grid: ProcessGrid
+    backend: str = "reference"
 
 
 class CPTriangleAttention(TriangleAttention, TokenwiseTwin):
@@ -448,7 +506,9 @@ class CPTriangleAttention(TriangleAttention, TokenwiseTwin):
         if layout is not None and layout.n_tokens < layout.padded[1]:
             c, nJ = grid.coords[1], local_shape[2]
             key_real = torch.arange(c * nJ, (c + 1) * nJ, device=mask_local.device) < layout.n_tokens
-        out = self.tile_forward(z, _TileArgs(mask_local, key_real, grid))
+        backend = resolve_backend(self.backend)
+        agree_scalars({"attention_backend": backend}, f"{what}: the attention backend")  # it changes rounding
+        out = self.tile_forward(z, _TileArgs(mask_local, key_real, grid, backend))
         if layout is not None and layout_of(out) is None:  # the layout came with the mask
             out = with_layout(out, layout, "pair")
         return out
@@ -460,19 +520,23 @@ class CPTriangleAttention(TriangleAttention, TokenwiseTwin):
             mask = transpose_tiles_local(mask.contiguous(), grid, op="tri_attn:mask_transpose")
         q, k, v, bias, g = self.project(z)
         mb = ring_mask_bias(mask, args.key_real, self.inf, q.dtype, grid)
-        o = self.project_out(ring_attend(q, k, v, bias, mb, grid), g)
+        o = self.project_out(ring_attend(q, k, v, bias, mb, grid, args.backend), g)
         return o if self.starting else transpose_tiles(o, grid)
 
 
 class CPTriangleAttentionStartingNode(CPTriangleAttention):
     """CP twin of AF3 Algorithm 14 (see the module docstring)."""
 
-    def __init__(self, c_in: int, c_hidden: int = 32, no_heads: int = 4, inf: float = 1e9):
-        super().__init__(c_in, c_hidden, no_heads, starting=True, inf=inf)
+    def __init__(
+        self, c_in: int, c_hidden: int = 32, no_heads: int = 4, inf: float = 1e9, backend: str | None = None
+    ):
+        super().__init__(c_in, c_hidden, no_heads, starting=True, inf=inf, backend=backend)
 
 
 class CPTriangleAttentionEndingNode(CPTriangleAttention):
     """CP twin of AF3 Algorithm 15 (see the module docstring)."""
 
-    def __init__(self, c_in: int, c_hidden: int = 32, no_heads: int = 4, inf: float = 1e9):
-        super().__init__(c_in, c_hidden, no_heads, starting=False, inf=inf)
+    def __init__(
+        self, c_in: int, c_hidden: int = 32, no_heads: int = 4, inf: float = 1e9, backend: str | None = None
+    ):
+        super().__init__(c_in, c_hidden, no_heads, starting=False, inf=inf, backend=backend)

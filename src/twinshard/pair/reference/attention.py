@@ -19,7 +19,8 @@ Names and registration order follow Boltz-2's ``attentionv2.AttentionPairBias``:
 (with bias), ``proj_k, proj_v, proj_g`` (bias-free), ``proj_z`` (a ``Sequential`` of a
 LayerNorm and a bias-free linear to ``H``: keys ``proj_z.0.*``, ``proj_z.1.weight``),
 ``proj_o`` (bias-free, "final"-initialised), so its ``state_dict`` loads unchanged. The
-attention runs in ``promote_types(dtype, float32)``.
+attention runs in ``promote_types(dtype, float32)``, by the attention backend (``backend=``,
+None: the context's, see ``twinshard.pair.reference.attention_backends``; not a parameter).
 
 Split into :meth:`AttentionPairBias.project`, :func:`attend_single` and
 :meth:`AttentionPairBias.project_out` so the CP twin swaps only the softmax over ``j``.
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from twinshard.comm.amp import fp32_region
+from twinshard.pair.reference.attention_backends import biased_attention, resolve_backend
 from twinshard.pair.reference.linear import Linear
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 from twinshard.pair.reference.triangle_attention import key_mask_bias
@@ -41,11 +43,22 @@ __all__ = ["AttentionPairBias", "attend_single"]
 
 
 def attend_single(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, mask_bias: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    mask_bias: torch.Tensor,
+    backend: str = "reference",
 ) -> torch.Tensor:
     """``q[B, I, H, d]`` (scaled), ``k, v[B, J, H, d]``, ``bias[B, H, I, J]``, ``mask_bias[B, J]``
-    -> ``o[B, I, H, d] = sum_j softmax_j(q_i . k_j + bias_ij + mask_bias_j) v_j`` (compute dtype)."""
+    -> ``o[B, I, H, d] = sum_j softmax_j(q_i . k_j + bias_ij + mask_bias_j) v_j`` (compute dtype),
+    by ``backend`` (``twinshard.pair.reference.attention_backends``)."""
     ct = compute_dtype(q.dtype)
+    if backend != "reference":
+        with fp32_region(q.device.type):
+            full = bias.to(ct) + mask_bias.to(ct)[:, None, None, :]
+            o, _ = biased_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), full, backend)
+            return o.transpose(1, 2)
     with fp32_region(q.device.type):  # Boltz: the softmax region with autocast off
         logits = torch.einsum("bihd,bjhd->bhij", q.to(ct), k.to(ct))
         logits = logits + bias.to(ct) + mask_bias.to(ct)[:, None, None, :]
@@ -55,7 +68,7 @@ def attend_single(
 class AttentionPairBias(nn.Module):
     """Serial attention with pair bias (see module docstring). ``c_s`` must divide by ``num_heads``."""
 
-    def __init__(self, c_s: int, c_z: int, num_heads: int, inf: float = 1e6):
+    def __init__(self, c_s: int, c_z: int, num_heads: int, inf: float = 1e6, backend: str | None = None):
         super().__init__()
         if c_s % num_heads:
             raise ValueError(f"c_s = {c_s} must be a multiple of num_heads = {num_heads}")
@@ -64,6 +77,7 @@ class AttentionPairBias(nn.Module):
         self.num_heads = num_heads
         self.head_dim = c_s // num_heads
         self.inf = float(inf)
+        self.backend = None if backend is None else resolve_backend(backend)  # None: the context's
         self.proj_q = Linear(c_s, c_s, bias=True)
         self.proj_k = Linear(c_s, c_s, bias=False)
         self.proj_v = Linear(c_s, c_s, bias=False)
@@ -110,7 +124,8 @@ class AttentionPairBias(nn.Module):
         if tuple(mask.shape) != (b, n):
             raise ValueError(f"mask must be [B, N] = {(b, n)}, got {tuple(mask.shape)}")
         q, k, v, bias, g = self.project(s, z, k_in)
-        o = attend_single(q, k, v, bias, key_mask_bias(mask, self.inf, q.dtype))
+        mb = key_mask_bias(mask, self.inf, q.dtype)
+        o = attend_single(q, k, v, bias, mb, resolve_backend(self.backend))
         return self.project_out(o, g)
 
     def extra_repr(self) -> str:

@@ -25,7 +25,8 @@ mha.linear_q, mha.linear_k, mha.linear_v, mha.linear_o, mha.linear_g``, all bias
 Boltz-2 ``TriangleAttention`` ``state_dict`` loads unchanged. ``c_hidden`` is the per-head
 width. Initialisation as OpenFold: Glorot-uniform ``q, k, v``, normal(0, 1/fan_in) ``linear``,
 "final" ``linear_o``, "gating" ``linear_g``. The softmax runs in
-``promote_types(dtype, float32)``.
+``promote_types(dtype, float32)``, by the attention backend (``backend=``, None: the context's;
+``twinshard.pair.reference.attention_backends``; not a parameter).
 
 The module is split into :meth:`TriangleAttention.project`, :func:`attend` and
 :meth:`TriangleAttention.project_out` so the context-parallel twin reuses the token-local parts
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from twinshard.comm.amp import fp32_region
+from twinshard.pair.reference.attention_backends import biased_attention, resolve_backend
 from twinshard.pair.reference.linear import Linear
 from twinshard.pair.reference.norm import LayerNorm, compute_dtype
 
@@ -60,15 +62,30 @@ def key_mask_bias(mask: torch.Tensor, inf: float, dtype: torch.dtype) -> torch.T
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, mask_bias: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    mask_bias: torch.Tensor,
+    backend: str = "reference",
 ) -> torch.Tensor:
     """Biased softmax attention along the row, per head.
 
     ``q, k, v[B, I, H, J, c_h]`` (``q`` already scaled), ``bias[B, H, J, K]`` (the triangle
     bias, shared by every row ``i``), ``mask_bias[B, I, K]`` -> ``o[B, I, H, J, c_h]`` with
-    ``o_ij = sum_k softmax_k(q_ij . k_ik + bias_jk + mask_bias_ik) v_ik``, in the compute dtype.
+    ``o_ij = sum_k softmax_k(q_ij . k_ik + bias_jk + mask_bias_ik) v_ik``, in the compute dtype,
+    by ``backend`` (``attention_backends``; for a fused kernel the additive bias
+    ``bias_jk + mask_bias_ik`` is formed as one ``[B, I, H, J, K]`` tensor, the size of the
+    reference's logits, but no probabilities are saved for backward).
     """
     ct = compute_dtype(q.dtype)
+    if backend != "reference":
+        with fp32_region(q.device.type):
+            full = bias.to(ct).unsqueeze(1) + mask_bias.to(ct)[:, :, None, None, :]
+            o, _ = biased_attention(
+                q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), full.flatten(0, 1), backend
+            )
+            return o.unflatten(0, q.shape[:2])
     with fp32_region(q.device.type):  # Boltz: the softmax region with autocast off
         logits = torch.einsum("bihjd,bihkd->bihjk", q.to(ct), k.to(ct))
         logits = logits + bias.to(ct).unsqueeze(1) + mask_bias.to(ct)[:, :, None, None, :]
@@ -107,7 +124,13 @@ class TriangleAttention(nn.Module):
     """
 
     def __init__(
-        self, c_in: int, c_hidden: int = 32, no_heads: int = 4, starting: bool = True, inf: float = 1e9
+        self,
+        c_in: int,
+        c_hidden: int = 32,
+        no_heads: int = 4,
+        starting: bool = True,
+        inf: float = 1e9,
+        backend: str | None = None,
     ):
         super().__init__()
         self.c_in = c_in
@@ -115,6 +138,7 @@ class TriangleAttention(nn.Module):
         self.no_heads = no_heads
         self.starting = bool(starting)
         self.inf = float(inf)
+        self.backend = None if backend is None else resolve_backend(backend)  # None: the context's
         self.layer_norm = LayerNorm(c_in)
         self.linear = Linear(c_in, no_heads, bias=False)
         with torch.no_grad():
@@ -156,7 +180,8 @@ class TriangleAttention(nn.Module):
         if not self.starting:
             z, mask = z.transpose(1, 2), mask.transpose(1, 2)
         q, k, v, bias, g = self.project(z)
-        o = self.project_out(attend(q, k, v, bias, key_mask_bias(mask, self.inf, q.dtype)), g)
+        mb = key_mask_bias(mask, self.inf, q.dtype)
+        o = self.project_out(attend(q, k, v, bias, mb, resolve_backend(self.backend)), g)
         return o if self.starting else o.transpose(1, 2)
 
     def extra_repr(self) -> str:
@@ -167,12 +192,16 @@ class TriangleAttention(nn.Module):
 class TriangleAttentionStartingNode(TriangleAttention):
     """AF3 Algorithm 14: each row ``i`` attends along itself, biased by ``b_jk``."""
 
-    def __init__(self, c_in: int, c_hidden: int = 32, no_heads: int = 4, inf: float = 1e9):
-        super().__init__(c_in, c_hidden, no_heads, starting=True, inf=inf)
+    def __init__(
+        self, c_in: int, c_hidden: int = 32, no_heads: int = 4, inf: float = 1e9, backend: str | None = None
+    ):
+        super().__init__(c_in, c_hidden, no_heads, starting=True, inf=inf, backend=backend)
 
 
 class TriangleAttentionEndingNode(TriangleAttention):
     """AF3 Algorithm 15: each column ``j`` attends along itself, biased by ``b_ki``."""
 
-    def __init__(self, c_in: int, c_hidden: int = 32, no_heads: int = 4, inf: float = 1e9):
-        super().__init__(c_in, c_hidden, no_heads, starting=False, inf=inf)
+    def __init__(
+        self, c_in: int, c_hidden: int = 32, no_heads: int = 4, inf: float = 1e9, backend: str | None = None
+    ):
+        super().__init__(c_in, c_hidden, no_heads, starting=False, inf=inf, backend=backend)
