@@ -1443,7 +1443,7 @@ MUTATIONS: list[Mutation] = [
         "triattn_backend_not_agreed",
         "the attention backend not agreed across ranks (one rank on another backend goes unnoticed)",
         "pair/layers/triangle_attention.py",
-        'agree_scalars({"attention_backend": backend}, f"{what}: the attention backend")  # it changes rounding',
+        "agree_backend(backend, what)",
         "pass",
         ("tests/pair/test_attention_backends.py::test_backend_disagreement_raises[tri-start]",),
     ),
@@ -1536,6 +1536,14 @@ MUTATIONS: list[Mutation] = [
         "self._copy_range((d * per + pos) * self.chunk,",
         "self._copy_range(((d * per + pos + 1) % mesh.size) * self.chunk,",
         ("tests/pair/test_dp_cp.py::test_sharded_adamw_matches_serial",),
+    ),
+    M(
+        "stack_backends_not_agreed",
+        "a CP stack's attention backends left out of its agreed control scalars (its twins skip theirs)",
+        "pair/layers/pairformer.py",
+        '        "attention_backends": module_backends(stack),',
+        '        "attention_backends": (),',
+        ("tests/pair/test_attention_backends.py::test_backend_disagreement_in_a_stack_raises",),
     ),
 ]
 

@@ -253,6 +253,37 @@ def _rank_disagree(grid, op):
     return _rank(grid, op, None, 1, 4, "float64", mine="sdpa" if grid.rank == 1 else "reference")
 
 
+def _stack_disagree(grid):
+    """A CP Pairformer stack (attention with pair bias and both triangle attentions inside, no
+    per-call agreement there) with rank 1 in the ``sdpa`` context: the stack's one agreement of its
+    control scalars names the backends."""
+    from twinshard.pair.features import shard_tensor
+    from twinshard.pair.layers.pairformer import CPPairformerStack
+    from twinshard.pair.layout import PairLayout
+    from twinshard.pair.reference.attention_backends import attention_backend
+
+    torch.manual_seed(0)
+    stack = CPPairformerStack(8, 4, 1, num_heads=2, pairwise_head_width=2, pairwise_num_heads=2).double()
+    lay = PairLayout.for_sizes(4, grid)
+    g = torch.Generator().manual_seed(1)
+    s = shard_tensor(torch.randn(1, 4, 8, generator=g, dtype=torch.float64), "single", grid, lay)
+    z = shard_tensor(torch.randn(1, 4, 4, 4, generator=g, dtype=torch.float64), "pair", grid, lay)
+    with attention_backend("sdpa" if grid.rank == 1 else "reference"):
+        try:
+            stack(s, z)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def test_backend_disagreement_in_a_stack_raises():
+    ranks = run_on_grid(_stack_disagree, (1, 2))
+    assert all(isinstance(r, str) for r in ranks), (
+        f"a rank on another backend went unnoticed in a stack: {ranks}"
+    )
+    assert len(set(ranks)) == 1 and "attention_backends" in ranks[0] and "sdpa" in ranks[0], ranks
+
+
 def test_unknown_backend_refused():
     with pytest.raises(ValueError, match=r"attention backend must be one of \('reference', 'sdpa', 'flex'\)"):
         AttentionPairBias(CS, CZ, HEADS, backend="flash")

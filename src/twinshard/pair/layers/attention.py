@@ -37,7 +37,8 @@ as queries, gate and, through the move, keys) is summed over the grid row, where
 replicated; it comes back complete and identical on every rank of the row.
 
 Collectives. Forward: the agreement of the attention backend (one all-gather of a small
-Python object over the world, ``agree_scalars``), the key move (one exchange, ``apb:keys``; the token mask rides the same
+Python object over the world, ``agree_backend``; none inside a CP stack or sampler, which agree
+their modules' backends once), the key move (one exchange, ``apb:keys``; the token mask rides the same
 plan without gradient), an all-gather of the row maxima of the mask and of the logits along the
 grid row (``[B, Np/R, H]`` values per rank), one all-reduce of the partial normalisers and
 numerators along the grid row (``[B, Np/R, H (1 + c_s/H)]``). Backward: the adjoint of that
@@ -69,10 +70,9 @@ from twinshard.pair.layers.moves import MoveRows, column_moves, move_rows
 from twinshard.pair.layers.tokenwise import replicated_params
 from twinshard.pair.layers.triangle import pair_grid
 from twinshard.pair.reference.attention import AttentionPairBias
-from twinshard.pair.reference.attention_backends import biased_attention, resolve_backend
+from twinshard.pair.reference.attention_backends import agree_backend, biased_attention, resolve_backend
 from twinshard.pair.reference.norm import compute_dtype
 from twinshard.pair.tiling import PAIR, SINGLE, check_placements, from_local
-from twinshard.runtime.agree import agree_scalars
 from twinshard.runtime.grid import ProcessGrid
 
 __all__ = ["CPAttentionPairBias"]
@@ -203,7 +203,7 @@ class CPAttentionPairBias(AttentionPairBias):
             )
             key_real = torch.arange(c * nJ, (c + 1) * nJ, device=s_local.device) < layout.n_tokens
         backend = resolve_backend(self.backend)
-        agree_scalars({"attention_backend": backend}, f"{what}: the attention backend")  # it changes rounding
+        agree_backend(backend, what)
         named = list(self.named_parameters())
         synced = replicated_params([p for _, p in named], z)  # partial contributions: sum over the grid
         args = _TileArgs(mask_local, key_real, grid, k_in is not None, backend)

@@ -74,6 +74,7 @@ from twinshard.pair.layers.triangle_attention import (
     CPTriangleAttentionEndingNode,
     CPTriangleAttentionStartingNode,
 )
+from twinshard.pair.reference.attention_backends import backends_agreed, module_backends
 from twinshard.pair.reference.pairformer import (
     PairformerNoSeqLayer,
     PairformerNoSeqModule,
@@ -234,6 +235,7 @@ def stack_control_scalars(
         "shapes": tuple(tuple(getattr(x, "shape", ())) for x in xs),
         "dtypes": tuple(str(getattr(x, "dtype", None)) for x in xs),
         "n_tokens": None if layout is None else layout.n_tokens,
+        "attention_backends": module_backends(stack),
     }
 
 
@@ -291,12 +293,14 @@ class CPPairformerStack(_PlainArgs, nn.Module):
         seed: int | None = None,
     ) -> tuple[DTensor, DTensor]:
         """Run the layers in order: ``(s, z) -> (s, z)`` (arguments as ``CPPairformerLayer``)."""
-        agree_scalars(self.control_scalars(seed, s, z, mask, pair_mask), type(self).__name__)
-        for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                s, z = checkpointed(lambda s, z, layer=layer: layer(s, z, mask, pair_mask, seed), s, z)
-            else:
-                s, z = layer(s, z, mask, pair_mask, seed)
+        scalars = self.control_scalars(seed, s, z, mask, pair_mask)
+        agree_scalars(scalars, type(self).__name__)
+        with backends_agreed(scalars["attention_backends"]):
+            for layer in self.layers:
+                if self.activation_checkpointing and torch.is_grad_enabled():
+                    s, z = checkpointed(lambda s, z, layer=layer: layer(s, z, mask, pair_mask, seed), s, z)
+                else:
+                    s, z = layer(s, z, mask, pair_mask, seed)
         return s, z
 
 
@@ -344,10 +348,12 @@ class CPPairformerNoSeqModule(_PlainPairArgs, PairformerNoSeqModule):
 
     def forward(self, z: DTensor, pair_mask: DTensor | None = None, seed: int | None = None) -> DTensor:
         """Run the layers in order: ``z -> z`` (arguments as ``CPPairformerNoSeqLayer``)."""
-        agree_scalars(self.control_scalars(seed, z, pair_mask), type(self).__name__)
-        for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                z = checkpointed(lambda z, layer=layer: layer(z, pair_mask, seed), z)
-            else:
-                z = layer(z, pair_mask, seed)
+        scalars = self.control_scalars(seed, z, pair_mask)
+        agree_scalars(scalars, type(self).__name__)
+        with backends_agreed(scalars["attention_backends"]):
+            for layer in self.layers:
+                if self.activation_checkpointing and torch.is_grad_enabled():
+                    z = checkpointed(lambda z, layer=layer: layer(z, pair_mask, seed), z)
+                else:
+                    z = layer(z, pair_mask, seed)
         return z

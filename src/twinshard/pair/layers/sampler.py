@@ -48,6 +48,7 @@ from twinshard.pair.layers.diffusion import CPDiffusionModule, sample_layout
 from twinshard.pair.layers.structure_loss import cp_compute_loss
 from twinshard.pair.layers.sums import column_sum
 from twinshard.pair.layout import with_layout
+from twinshard.pair.reference.attention_backends import backends_agreed, module_backends
 from twinshard.pair.reference.sampler import (
     AtomDiffusion,
     CounterDraws,
@@ -175,6 +176,7 @@ class CPAtomDiffusion(AtomDiffusion):
                 "draws": "counter" if draws is None else type(draws).__name__,
                 "alignment_reverse_diff": bool(self.alignment_reverse_diff),
                 "steering": tuple(sorted(flags.items())),
+                "attention_backends": module_backends(self),
             },
             what,
         )
@@ -189,7 +191,8 @@ class CPAtomDiffusion(AtomDiffusion):
         chunks = boltz_sample_chunks(m, max_parallel_samples)
         self._grid, self._layout = grid, layout
         try:
-            x = self._run(mask, frame, steps, m, chunks, draws, network_condition_kwargs, dtype)
+            with backends_agreed(module_backends(self)):  # agreed above: no per-call agreement
+                x = self._run(mask, frame, steps, m, chunks, draws, network_condition_kwargs, dtype)
         finally:
             self._grid = self._layout = None
         out = with_layout(from_local(x.contiguous(), grid.mesh, SINGLE), sample_layout(layout, m), "atom")

@@ -35,7 +35,8 @@ on any grid shape, its own adjoint), the starting-node attention runs on the tra
 tiles, and the output is transposed back.
 
 Collectives. Forward: the agreement of the attention backend (one all-gather of a small Python
-object over the world, ``agree_scalars``); one all-gather of the row maxima of the mask along the grid row
+object over the world, ``agree_backend``; none inside a CP stack or sampler, which agree their
+modules' backends once); one all-gather of the row maxima of the mask along the grid row
 (``[B, Np/R]`` values per rank, no gradient); then C point-to-point exchanges along the ring
 (``tri_attn:ring``), each carrying one key/value/mask-bias tile to the left neighbour and one
 bias block from its owner(s); ending node: two more tile transpositions (z and the mask) and
@@ -74,11 +75,10 @@ from twinshard.comm.ops import transpose_tiles_local
 from twinshard.pair.features import layout_of, with_layout
 from twinshard.pair.layers.tokenwise import TokenwiseTwin, mixing_layout
 from twinshard.pair.layers.triangle import pair_grid
-from twinshard.pair.reference.attention_backends import biased_attention, resolve_backend
+from twinshard.pair.reference.attention_backends import agree_backend, biased_attention, resolve_backend
 from twinshard.pair.reference.norm import compute_dtype
 from twinshard.pair.reference.triangle_attention import TriangleAttention
 from twinshard.pair.tiling import PAIR, check_placements
-from twinshard.runtime.agree import agree_scalars
 from twinshard.runtime.grid import ProcessGrid
 
 __all__ = [
@@ -507,7 +507,7 @@ class CPTriangleAttention(TriangleAttention, TokenwiseTwin):
             c, nJ = grid.coords[1], local_shape[2]
             key_real = torch.arange(c * nJ, (c + 1) * nJ, device=mask_local.device) < layout.n_tokens
         backend = resolve_backend(self.backend)
-        agree_scalars({"attention_backend": backend}, f"{what}: the attention backend")  # it changes rounding
+        agree_backend(backend, what)
         out = self.tile_forward(z, _TileArgs(mask_local, key_real, grid, backend))
         if layout is not None and layout_of(out) is None:  # the layout came with the mask
             out = with_layout(out, layout, "pair")

@@ -39,7 +39,9 @@ the log-sum-exp (``lse``, differentiable here).
 Selection: a module's constructor argument ``backend=`` (None: the context's), or the context
 :func:`attention_backend` (default ``"reference"``). The CP twins agree the backend over the
 world before any buffer moves (``runtime.agree_scalars``; a rank on another backend raises the
-same error on every rank), since the backend changes the rounding.
+same error on every rank), since the backend changes the rounding: once per forward of a CP
+stack or per sampling run (their control scalars carry :func:`module_backends`, then
+:func:`backends_agreed`), per call for a twin used on its own (:func:`agree_backend`).
 """
 
 from __future__ import annotations
@@ -60,8 +62,11 @@ __all__ = [
     "BACKENDS",
     "attention_backend",
     "biased_attention",
+    "agree_backend",
+    "backends_agreed",
     "check_backend",
     "current_attention_backend",
+    "module_backends",
     "resolve_backend",
 ]
 
@@ -95,6 +100,41 @@ def current_attention_backend() -> str:
 def resolve_backend(explicit: str | None) -> str:
     """The module's own backend if it names one, else the context's."""
     return check_backend(explicit) if explicit is not None else _BACKEND.get()
+
+
+# Set while a caller that agreed its modules' backends over the world runs them (a CP stack's
+# forward, the CP sampler's loop): the twins inside skip their own per-call agreement, which is
+# one object all-gather per attention call otherwise.
+_AGREED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "twinshard_attention_backends_agreed", default=frozenset()
+)
+
+
+def module_backends(module: Any) -> tuple[str, ...]:
+    """The backends ``module``'s attention submodules resolve to now (sorted, distinct): what a
+    caller adds to its agreed control scalars before :func:`backends_agreed`."""
+    return tuple(sorted({resolve_backend(m.backend) for m in module.modules() if hasattr(m, "backend")}))
+
+
+@contextmanager
+def backends_agreed(backends: tuple[str, ...]) -> Iterator[None]:
+    """The body runs modules whose backends (``backends``) the caller has agreed over the world."""
+    token = _AGREED.set(_AGREED.get() | frozenset(backends))
+    try:
+        yield
+    finally:
+        _AGREED.reset(token)
+
+
+def agree_backend(backend: str, what: str) -> None:
+    """Agree ``backend`` over the world (``runtime.agree_scalars``: a rank on another backend raises
+    the same error on every rank) unless an enclosing caller agreed it already (every rank runs the
+    same callers in the same order, so every rank takes the same branch)."""
+    if backend in _AGREED.get():
+        return
+    from twinshard.runtime.agree import agree_scalars
+
+    agree_scalars({"attention_backend": backend}, f"{what}: the attention backend")  # it changes rounding
 
 
 _FLEX: dict[str, Any] = {}
