@@ -2,7 +2,7 @@
 its checkpoints (main env; the step against boltz's own ``Boltz2.training_step`` is
 tests/interop/test_boltz2_training.py).
 
-- ``test_cp_step_matches_serial`` (2x2 N 11 m 3; 2x3 N 10 m 1; counter-based draws keyed by global
+- ``test_cp_step_matches_serial`` (2x2 N 11 m 3; 2x3 N 10 m 1; 3x3 N 13 m 2; counter-based draws keyed by global
   atom index): two steps; the loss of each step, the structure module's training outputs
   (``denoised_atom_coords``, ``aligned_true_atom_coords``, ``sigmas``), every parameter gradient
   of the first step by name, every weight after each AdamW update and the EMA weights equal serial
@@ -122,7 +122,11 @@ def _rank(grid, c):
     return _run(model, distribute(_feats(c["n"], c["seed"]), grid), c)
 
 
-CASES = [((2, 2), dict(n=11, m=3, seed=4)), ((2, 3), dict(n=10, m=1, seed=5))]
+CASES = [
+    ((2, 2), dict(n=11, m=3, seed=4)),
+    ((2, 3), dict(n=10, m=1, seed=5)),
+    ((3, 3), dict(n=13, m=2, seed=6)),
+]
 
 
 @pytest.mark.parametrize("grid,c", CASES, ids=[f"{grid_id(g)}-N{c['n']}-m{c['m']}" for g, c in CASES])
