@@ -346,8 +346,6 @@ def run_md(
         coupling,
         compressibility,
     )
-    if pressure is not None and storage == "graph":
-        raise ValueError("pressure= runs with storage='halo' (graph storage keeps its cell fixed)")
     if balance is not None:
         if storage != "halo" or partition != "spatial":
             raise ValueError(

@@ -208,8 +208,6 @@ def make_integrator(cfg: MDConfig) -> VelocityVerlet:
             f"--balance is a threshold on max/mean owned atoms, >= 1 (e.g. 1.1); got {cfg.balance}"
         )
     if cfg.pressure is not None:
-        if cfg.storage == "graph":
-            raise ValueError("--pressure runs with --storage halo (graph storage keeps its cell fixed)")
         return npt_integrator(
             cfg.thermostat,
             cfg.barostat,

@@ -464,7 +464,9 @@ class IsotropicMTK(NoseHooverChain):
                 "(no --pressure) for a slab, wire or molecule"
             )
         if not getattr(engine, "cell_can_change", True):
-            raise ValueError("a barostat runs with --storage halo (graph storage keeps its cell fixed)")
+            raise ValueError(
+                f"a barostat changes the cell, which this engine ({type(engine).__name__}) cannot"
+            )
         if not any(self.cell0):  # a fresh run: the reference cell is the start cell
             self.cell0 = [float(c) for c in engine.cell.detach().double().cpu().reshape(9).tolist()]
         if abs(float(torch.linalg.det(self._cell0()))) == 0.0:

@@ -164,7 +164,9 @@ class StochasticCellRescaling(VelocityVerlet):
                 "(no --pressure) for a slab, wire or molecule"
             )
         if not getattr(engine, "cell_can_change", True):
-            raise ValueError("a barostat runs with --storage halo (graph storage keeps its cell fixed)")
+            raise ValueError(
+                f"a barostat changes the cell, which this engine ({type(engine).__name__}) cannot"
+            )
         if not any(self.cell_now):  # a fresh run: the engine's cell; a restart loaded its own
             self.cell_now = [float(c) for c in engine.cell.detach().double().cpu().reshape(9).tolist()]
         if abs(float(torch.linalg.det(self.cell()))) == 0.0:
