@@ -1447,6 +1447,14 @@ MUTATIONS: list[Mutation] = [
         "self.cells = cells.clone() if self.rank == 0 else self.cells",
         ("tests/atoms/test_graph_npt.py::test_graph_npt_equals_serial_at_round_off[mtk-2]",),
     ),
+    M(
+        "batch_barostat_swapped",
+        "state swapped",
+        "atoms/dynamics/batch.py",
+        "baro = self.integrators[s]  # this system's own barostat (its state and cell)",
+        "baro = self.integrators[[t for t in active if self.baro[t]][::-1][[t for t in active if self.baro[t]].index(s)]]",
+        ("tests/atoms/test_batch_npt.py::test_batch_npt_equals_each_system_alone[2]",),
+    ),
 ]
 
 

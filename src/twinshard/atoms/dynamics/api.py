@@ -295,6 +295,11 @@ def run_md(
             tdamp=tdamp,
             chain=chain,
             pressure=pressure,
+            barostat=barostat,
+            pdamp=pdamp,
+            pchain=pchain,
+            coupling=coupling,
+            compressibility=compressibility,
             seed=seed,
             initial_temperature=initial_temperature,
             skin=skin,
@@ -316,9 +321,7 @@ def run_md(
             raise ValueError("a batch runs in graph storage, split by index: no partition= or balance=")
 
         def one(kind: Any, **kw: Any) -> VelocityVerlet:
-            return _integrator(
-                kind, kw["dt"], kw["temperature"], kw["friction"], kw["seed"], kw["tdamp"], kw["chain"]
-            )
+            return _integrator(kind, **kw)
 
         return run_md_batch(system, potential, opts, one)
     storage = storage or "halo"
