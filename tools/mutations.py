@@ -1455,6 +1455,14 @@ MUTATIONS: list[Mutation] = [
         "baro = self.integrators[[t for t in active if self.baro[t]][::-1][[t for t in active if self.baro[t]].index(s)]]",
         ("tests/atoms/test_batch_npt.py::test_batch_npt_equals_each_system_alone[2]",),
     ),
+    M(
+        "momentum_removed_one_rank",
+        "partial update",
+        "atoms/dynamics/md.py",
+        "engine.set_state(engine.positions, v, moved=False)  # every rank's atoms",
+        "engine.set_state(engine.positions, v if engine.rank == 0 else engine.velocities, moved=False)",
+        ("tests/atoms/test_zero_momentum.py::test_zero_momentum_distributed_equals_serial[2]",),
+    ),
 ]
 
 

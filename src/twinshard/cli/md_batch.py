@@ -65,6 +65,7 @@ def run_batch(args: argparse.Namespace, cfg: MDConfig) -> dict[str, Any]:
         pchain=cfg.pchain,
         coupling=cfg.coupling,
         compressibility=cfg.compressibility,
+        zero_momentum=cfg.zero_momentum,
         seed=cfg.seed,
         skin=cfg.skin,
         storage="graph",

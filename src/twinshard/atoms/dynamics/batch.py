@@ -63,7 +63,13 @@ from ase import units
 
 from twinshard.atoms.data.system import System
 from twinshard.atoms.dynamics import sanity
-from twinshard.atoms.dynamics.integrators import NoseHooverChain, VelocityVerlet, kinetic_energy
+from twinshard.atoms.dynamics.integrators import (
+    NoseHooverChain,
+    VelocityVerlet,
+    kinetic_dof,
+    kinetic_energy,
+    remove_momentum,
+)
 from twinshard.atoms.dynamics.md import ThermoLog, checkpoint_state, save_checkpoint
 
 __all__ = ["BatchIntegrator", "SystemView", "per_system_paths", "simulate_batch"]
@@ -167,7 +173,7 @@ class BatchIntegrator:
                     raise ValueError("a batch with barostats binds each to its system's view")
                 integ.bind(views[s])
             elif isinstance(integ, NoseHooverChain):
-                integ.n_dof, integ._rank = 3 * int(n), int(rank)
+                integ.n_dof, integ._rank = kinetic_dof(n, integ.zero_momentum), int(rank)
 
     def _mv2(self, v: torch.Tensor, m: torch.Tensor, rows: dict[int, slice], reduce: Any) -> list[float]:
         """Every system's global ``sum m v^2`` (one all-reduce of ``[S]``)."""
@@ -333,9 +339,23 @@ def simulate_batch(
             path=thermo_paths[i] if rank == 0 else None,
             resumed=start[i] > 0,
             columns=ThermoLog.NPT_COLUMNS if baro[i] else ThermoLog.COLUMNS,
+            n_dof=kinetic_dof(sizes[i], integrator.integrators[i].zero_momentum),
         )
         for i in range(n)
     ]
+    zero = [integrator.integrators[i].zero_momentum and start[i] == 0 for i in range(n)]
+    if any(zero):  # each such system's net momentum removed: one all-reduce of [S, 4] for all
+        rows0 = _rows(g, alive)
+        loc = torch.zeros(n, 4, dtype=torch.float64, device=dev)
+        for s, r in rows0.items():
+            loc[s, :3] = (g.masses[r, None] * g.velocities[r]).sum(0).to(torch.float64)
+            loc[s, 3] = g.masses[r].sum().to(torch.float64)
+        tot = reduce(loc)
+        v0 = g.velocities.clone()
+        for s, r in rows0.items():
+            if zero[s]:  # remove_momentum with the agreed sums of its system
+                v0[r] = remove_momentum(v0[r], g.masses[r], lambda _local, t=tot[s]: t)
+        g.velocities = v0
     heat_local = torch.zeros(n, dtype=torch.float64, device=dev)
     if rank == 0 and heats is not None:
         heat_local += torch.tensor([float(h) for h in heats], dtype=torch.float64, device=dev)

@@ -108,6 +108,9 @@ def run_md_batch(
             integs.append(thermostat[i])
         else:
             integs.append(make_integrator(thermostat[i], **{k: v[i] for k, v in kw.items()}))
+    for integ, zero in zip(integs, per_system("zero_momentum", opts["zero_momentum"], n)):
+        if zero:
+            integ.zero_momentum = True
     if len({id(i) for i in integs}) != n:
         raise ValueError(
             "give one integrator object per system (the same object twice would share its state)"

@@ -173,6 +173,7 @@ class StochasticCellRescaling(VelocityVerlet):
             raise ValueError("a barostat needs a cell with a volume (its lattice vectors are coplanar)")
         self._engine, self._reduce_sum, self._rank = engine, engine.reduce_sum, int(engine.rank)
         if self.chain is not None:
+            self.chain.zero_momentum = self.zero_momentum  # its N_dof
             self.chain.bind(engine)
         engine.need_virial = True
 
@@ -303,6 +304,7 @@ class StochasticCellRescaling(VelocityVerlet):
         out: dict[str, Any] = {
             "kind": "npt-scr",
             "dt_fs": self.dt_fs,
+            **self._settings(),
             "temperature": self.temperature,
             "pressure_bar": self.pressure_bar,
             "thermostat": self.thermostat_kind,
