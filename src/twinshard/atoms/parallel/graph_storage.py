@@ -41,7 +41,10 @@ reduce-scatter adjoint: bytes and memory per rank scale with the rows a rank nee
 the boundary rows of its neighbours' blocks), not with N x features per layer, and the handler and
 its adjoint already exist and are tested. ``index_add_`` into an owned buffer ships contributions
 to their owners (``sharded_scatter``; here every receiver is owned, so nothing leaves the rank but
-the counts). Per-system energies ``(S,)``: ``per_system_reduce`` (one all-reduce). Forces: the
+the counts; and since every rank's receivers are its own, the dispatch's routing of those
+calls is agreed local once, when it is built: a plain local ``index_select`` / ``index_add``
+without a copy through the all-to-all, the same values). One rank: plain tensors, no dispatch.
+Per-system energies ``(S,)``: ``per_system_reduce`` (one all-reduce). Forces: the
 model's own ``torch.autograd.grad`` with respect to ``positions``; the gather's adjoint returns
 every edge's contribution to the owner, so ``-dE/dx`` is complete on the owned rows (no further
 reduction). Stress: the model's displacement ``[S, 3, 3]`` is a plain replicated input; its
@@ -504,7 +507,10 @@ class GraphSharded:
 
 # ----------------------------------------------------------------------------- evaluation
 def graph_inputs(
-    g: GraphSharded, positions: torch.Tensor | None = None, cutoff: float | None = None
+    g: GraphSharded,
+    positions: torch.Tensor | None = None,
+    cutoff: float | None = None,
+    wrap: bool | None = None,
 ) -> dict[str, Any]:
     """The plain-contract input dict of this rank (no communication): ``positions``, ``numbers``,
     ``batch`` as ``OwnedFirst`` ShardTensors (``positions`` differentiable in the owned rows
@@ -514,7 +520,12 @@ def graph_inputs(
 
     The edges are the radius graph ``r < cutoff`` (default ``g.cutoff``) at the replicated
     positions ``g.all_positions`` (current after :meth:`GraphSharded.update`): the Verlet list
-    (``cutoff + skin``) minus its skin edges, as the model's own neighbour list would give it."""
+    (``cutoff + skin``) minus its skin edges, as the model's own neighbour list would give it.
+
+    A group of one rank gets plain tensors (every row is owned, the ids are the global rows: there
+    is nothing to fetch or ship), so the model runs as serially, without the dispatch's per-op
+    cost, as halo storage's one-rank block (:func:`~twinshard.atoms.parallel.plain_inputs.block_inputs`);
+    ``wrap=True`` wraps them anyway (a one-rank check of the dispatch itself)."""
     x = g.positions if positions is None else positions
     spec = g.spec()
     # rank-relative ids: id i is global row (i + offsets[rank]) mod N
@@ -522,13 +533,14 @@ def graph_inputs(
     senders, receivers, shifts = g.radius_graph(
         rel, g.senders, g.receivers, g.shifts.to(x.dtype), float(g.cutoff if cutoff is None else cutoff)
     )
+    plain = not wrap and g.nranks == 1
     return {
-        "positions": from_local(x, spec),
-        "numbers": ShardTensor.wrap(g.numbers, spec),
+        "positions": x if plain else from_local(x, spec),
+        "numbers": g.numbers if plain else ShardTensor.wrap(g.numbers, spec),
         "senders": senders,
         "receivers": receivers,
         "shifts": shifts,
-        "batch": ShardTensor.wrap(g.batch, spec),
+        "batch": g.batch if plain else ShardTensor.wrap(g.batch, spec),
         "cell": g.cells.to(x.device, x.dtype),
         **system_values(g.infos, x),
     }
