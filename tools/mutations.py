@@ -743,8 +743,8 @@ MUTATIONS: list[Mutation] = [
         "graph_rebuild_past_whole_skin",
         "off-by-factor",
         "atoms/parallel/graph_storage.py",
-        "if force or disp > 0.5 * self.skin:",
-        "if force or disp > self.skin:",
+        "need = disp > 0.5 * self.skin",
+        "need = disp > self.skin",
         ("tests/atoms/test_rebuild.py",),
     ),
     M(
@@ -1462,6 +1462,14 @@ MUTATIONS: list[Mutation] = [
         "engine.set_state(engine.positions, v, moved=False)  # every rank's atoms",
         "engine.set_state(engine.positions, v if engine.rank == 0 else engine.velocities, moved=False)",
         ("tests/atoms/test_zero_momentum.py::test_zero_momentum_distributed_equals_serial[2]",),
+    ),
+    M(
+        "graph_strain_margin_dropped",
+        "stale neighbour list",
+        "atoms/parallel/graph_storage.py",
+        "need = need or 2.0 * ds + float(margin[s]) > self.skin",
+        "need = need or 2.0 * ds > self.skin",
+        ("tests/atoms/test_graph_npt.py::test_set_cell_shifts_and_strain_rule",),
     ),
 ]
 
