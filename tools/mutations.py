@@ -743,8 +743,8 @@ MUTATIONS: list[Mutation] = [
         "graph_rebuild_past_whole_skin",
         "off-by-factor",
         "atoms/parallel/graph_storage.py",
-        "if force or disp > 0.5 * self.skin:",
-        "if force or disp > self.skin:",
+        "need = disp > 0.5 * self.skin",
+        "need = disp > self.skin",
         ("tests/atoms/test_rebuild.py",),
     ),
     M(
@@ -1544,6 +1544,39 @@ MUTATIONS: list[Mutation] = [
         '        "attention_backends": module_backends(stack),',
         '        "attention_backends": (),',
         ("tests/pair/test_attention_backends.py::test_backend_disagreement_in_a_stack_raises",),
+    ),
+    # -- atoms: NPT in graph storage (the cell replicated on every rank, the edges' shifts follow it)
+    M(
+        "graph_cell_one_rank",
+        "replicated value diverges",
+        "atoms/parallel/graph_storage.py",
+        "self.cells = cells.clone()",
+        "self.cells = cells.clone() if self.rank == 0 else self.cells",
+        ("tests/atoms/test_graph_npt.py::test_graph_npt_equals_serial_at_round_off[mtk-2]",),
+    ),
+    M(
+        "batch_barostat_swapped",
+        "state swapped",
+        "atoms/dynamics/batch.py",
+        "baro = self.integrators[s]  # this system's own barostat (its state and cell)",
+        "baro = self.integrators[[t for t in active if self.baro[t]][::-1][[t for t in active if self.baro[t]].index(s)]]",
+        ("tests/atoms/test_batch_npt.py::test_batch_npt_equals_each_system_alone[2]",),
+    ),
+    M(
+        "momentum_removed_one_rank",
+        "partial update",
+        "atoms/dynamics/md.py",
+        "engine.set_state(engine.positions, v, moved=False)  # every rank's atoms",
+        "engine.set_state(engine.positions, v if engine.rank == 0 else engine.velocities, moved=False)",
+        ("tests/atoms/test_zero_momentum.py::test_zero_momentum_distributed_equals_serial[2]",),
+    ),
+    M(
+        "graph_strain_margin_dropped",
+        "stale neighbour list",
+        "atoms/parallel/graph_storage.py",
+        "need = need or 2.0 * ds + float(margin[s]) > self.skin",
+        "need = need or 2.0 * ds > self.skin",
+        ("tests/atoms/test_graph_npt.py::test_set_cell_shifts_and_strain_rule",),
     ),
 ]
 

@@ -151,7 +151,7 @@ def test_thermo_files_and_restart_at_another_rank_count(alone, tmp_path):
         (dict(potential="lj"), "Graph contract"),
         (dict(steps=[3, 3]), "2 values for a batch of 4"),
         (dict(thermo="thermo.log"), r"holding \{i\}"),
-        (dict(pressure=1.0), "no barostat"),
+        (dict(pressure=1.0), "--thermostat nose-hoover"),  # MTK (the default) with Langevin
         (dict(restart=["missing.pt"] * 4), "does not exist"),
     ],
 )

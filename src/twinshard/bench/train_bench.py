@@ -5,11 +5,9 @@ serial ``Boltz2Model`` (rank 0, the same weights; the model of ``--op predict``)
 :class:`~twinshard.pair.train_boltz2.Boltz2Training` step (training forward with
 ``--diffusion-samples`` as ``multiplicity_diffusion_train``, ``--sampling-steps`` for the
 confidence inputs' sample, losses, backward, AdamW, EMA) on the synthetic complex with
-``synthetic_training_features``. The losses: the distogram and confidence losses (PAE on) and,
-until the diffusion loss is merged, the
-atom-mask-weighted squared error of ``denoised_atom_coords`` against the aligned true coordinates
-(gathered with ``collect_tensor``: ``[B m, A, 3]`` per rank, no pair-sized tensor), so the
-structure module, the conditioning and the trunk's last cycle run their backward. Measured: the
+``synthetic_training_features``. The losses: Boltz-2's three (``LossHooks.default``: the
+distogram loss, the diffusion loss with its weighted rigid alignment and smooth lDDT, the
+confidence losses with PAE), so every module runs its backward. Measured: the
 profiler's tensor peak per rank beside the serial's over the whole step, the wall time of each,
 the loss and the updated weights' errors against serial. The last stdout line is one JSON object
 ``{"op": "train", "runs": [...]}`` with ``peak_ratio_vs_serial_over_p``.

@@ -202,6 +202,12 @@ def add_md_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"(default {MAX_FORCE:g} eV/A: atoms nearly on top of each other; 0: no bound)",
     )
     p.add_argument(
+        "--zero-momentum",
+        action="store_true",
+        help="remove the net momentum at the start (ASE's Stationary) and count the kinetic degrees "
+        "of freedom as 3N - 3 (temperature, Nose-Hoover chains); default: velocities as given, 3N",
+    )
+    p.add_argument(
         "--check-serial",
         action="store_true",
         help="also run the serial potential and trajectory and report differences",

@@ -1,7 +1,8 @@
 """``twinshard md --batch S1,S2,... [--steps N1,N2,...]``: MD on a batch of systems in one run
 (:func:`twinshard.atoms.dynamics.batch_api.run_md_batch` through ``run_md``); rank 0 prints a
 summary, or one JSON line with ``--json``: per system its structure, atoms, steps, final potential
-and temperature, conserved-quantity drift and thermo file; for the batch the drop-outs, seconds
+and temperature, conserved-quantity drift, thermo file and (``--pressure``: every system its own
+barostat) final volume and mean pressure; for the batch the drop-outs, seconds
 and systems x steps per second."""
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ def run_batch(args: argparse.Namespace, cfg: MDConfig) -> dict[str, Any]:
     if cfg.storage != "halo" and cfg.storage != "graph":
         raise ValueError(f"--batch runs in graph storage, got --storage {cfg.storage}")
     for opt, bad in (
-        ("--pressure", cfg.pressure is not None),
         ("--balance", cfg.balance is not None),
         ("--check-serial", cfg.check_serial),
         ("--json-arrays", cfg.json_arrays),
@@ -59,6 +59,13 @@ def run_batch(args: argparse.Namespace, cfg: MDConfig) -> dict[str, Any]:
         friction=cfg.friction,
         tdamp=cfg.tdamp,
         chain=cfg.chain,
+        pressure=cfg.pressure,
+        barostat=cfg.barostat,
+        pdamp=cfg.pdamp,
+        pchain=cfg.pchain,
+        coupling=cfg.coupling,
+        compressibility=cfg.compressibility,
+        zero_momentum=cfg.zero_momentum,
         seed=cfg.seed,
         skin=cfg.skin,
         storage="graph",
@@ -97,6 +104,8 @@ def run_batch(args: argparse.Namespace, cfg: MDConfig) -> dict[str, Any]:
                 "final_temperature": o.thermo.rows[-1]["temperature"],
                 "conserved_drift": o.thermo.rows[-1]["conserved"] - o.thermo.rows[0]["conserved"],
                 "energy": o.energy,
+                "final_volume": o.info.get("final_volume"),
+                "mean_pressure": o.info.get("mean_pressure"),
                 "thermo": o.thermo.path,
             }
             for name, o in zip(names, outs)

@@ -145,6 +145,18 @@ def _routing(kind: str, index: torch.Tensor, x: ShardTensor, build: Callable[[],
     return routing
 
 
+def _all_local(s: list[int], r: list[int], me: int, x: ShardTensor) -> bool:
+    """Whether no rank sends or receives a row in this routing (every index names rows its own
+    rank owns: the receivers of graph storage, whose edges all have owned receivers). Agreed: one
+    all-reduce of one flag when the routing is built (then kept with it), so every rank takes the
+    same path and either all of them or none enter the rows' all-to-all."""
+    off = sum(v for j, v in enumerate(s) if j != me) + sum(v for j, v in enumerate(r) if j != me)
+    if prim.group_size(x.group) == 1:
+        return True
+    flag = torch.tensor([float(off > 0)], dtype=torch.float64, device=x._local.device)
+    return float(prim.all_reduce(flag, x.group, op="sharded_storage")[0]) == 0.0
+
+
 def _sharded_pred(kind: str) -> Callable[[Any, tuple, dict], bool]:
     base = index_predicate(kind, Owned)
 
@@ -165,7 +177,7 @@ def _run_sharded_gather(func: Any, args: tuple, kwargs: dict) -> Any:
     gidx = plain_index(c.index)
     dev = x._local.device
 
-    def route() -> tuple[torch.Tensor, list[int], list[int], torch.Tensor, bool]:
+    def route() -> tuple[torch.Tensor, list[int], list[int], torch.Tensor, bool, torch.Tensor | None]:
         flat = gidx.reshape(-1).to(torch.int64)
         valid = flat != PAD
         uniq, inverse = torch.unique(_global_ids(x, flat[valid], me), sorted=True, return_inverse=True)
@@ -173,9 +185,18 @@ def _run_sharded_gather(func: Any, args: tuple, kwargs: dict) -> Any:
         wanted = prim.all_to_all(uniq.to(dev), s, r, x.group, op="sharded_gather")  # ids others need
         pos = torch.full((flat.numel(),), uniq.numel(), dtype=torch.int64, device=dev)
         pos[valid] = inverse
-        return wanted - offsets[me], s, r, pos, not bool(valid.all())
+        pad = not bool(valid.all())
+        mine = wanted - offsets[me]
+        # every rank reads only its own rows (agreed): one local index_select of the same rows
+        # (the same values and, in backward, the same index_add order), no copy through the
+        # all-to-all; with PAD ids the general path
+        direct = mine.index_select(0, pos) if _all_local(s, r, me, x) and not pad else None
+        return mine, s, r, pos, pad, direct
 
-    mine, s, r, pos, pad = _routing("gather", gidx, x, route)
+    mine, s, r, pos, pad, direct = _routing("gather", gidx, x, route)
+    if direct is not None:
+        out = to_local(x).index_select(0, direct).reshape(tuple(gidx.shape) + tuple(x._local.shape[1:]))
+        return out[(slice(None),) * gidx.dim() + c.rest] if c.rest else out
     rows = to_local(x).index_select(0, mine)
     got = _RowsAllToAll.apply(rows, r, s, x.group) if nranks > 1 else rows  # rows back, in uniq order
     if pad:  # PAD ids read the zero row after the fetched ones
@@ -195,7 +216,7 @@ def _run_sharded_scatter(func: Any, args: tuple, kwargs: dict) -> Any:
     src = to_local(c.source)
     dev = x._local.device
 
-    def route() -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+    def route() -> tuple[torch.Tensor, list[int], list[int], torch.Tensor, bool]:
         index, varying = given, False
         if index.dim() > 1:  # scatter_add with an index expanded along the feature dims
             # an expand()ed index (stride 0 along them) is constant by construction
@@ -209,13 +230,17 @@ def _run_sharded_scatter(func: Any, args: tuple, kwargs: dict) -> Any:
         owner, s, r = _route(ids, offsets, x, nranks, not_constant=varying)  # raises on every rank
         order = torch.sort(owner, stable=True).indices
         ids_in = prim.all_to_all(ids[order].to(dev), s, r, x.group, op="sharded_scatter")
-        return keep[order], s, r, ids_in - offsets[me]
+        picked = keep[order]
+        # every rank adds into its own rows only (agreed) and no entry is PAD: the values are the
+        # source rows in order, added locally (the same index_add), without the copies
+        whole = _all_local(s, r, me, x) and picked.numel() == index.shape[0]
+        return picked, s, r, ids_in - offsets[me], whole
 
-    picked, s, r, rows_in = _routing("scatter", given, x, route)
-    vals = src.index_select(0, picked)
+    picked, s, r, rows_in, whole = _routing("scatter", given, x, route)
+    vals = src if whole else src.index_select(0, picked)
     if c.alpha != 1:
         vals = vals * c.alpha
-    vals_in = _RowsAllToAll.apply(vals, s, r, x.group) if nranks > 1 else vals
+    vals_in = _RowsAllToAll.apply(vals, s, r, x.group) if nranks > 1 and not whole else vals
     local = to_local(x)
     contrib = torch.zeros_like(local).index_add(0, rows_in, vals_in.to(local.dtype))
     full = from_local(contrib, x._spec)

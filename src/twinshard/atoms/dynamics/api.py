@@ -190,6 +190,7 @@ def run_md(
     compressibility: float = 4.5e-5,
     seed: int = 0,
     initial_temperature: float | None = None,
+    zero_momentum: bool | list[bool] = False,
     skin: float = 1.0,
     partition: str = "spatial",
     balance: float | None = None,
@@ -249,6 +250,12 @@ def run_md(
         initial_temperature: if given, velocities are drawn from Maxwell-Boltzmann
             at this temperature (keyed by atom id and ``seed``); otherwise the
             system's velocities (ASE momenta) are kept.
+        zero_momentum: remove the net momentum at the start (the centre-of-mass velocity
+            subtracted from every atom, ASE's ``Stationary(preserve_temperature=False)``; one
+            global sum) and count the kinetic degrees of freedom as ``3N - 3`` (the thermo
+            temperature, a Nose-Hoover chain's and MTK's ``N_dof``). Default off: the velocities
+            as given and ``3N`` (ASE's thermostats' convention). A setting of the integrator
+            (``integ.zero_momentum``), recorded in checkpoints: a restart must match it.
         skin: Verlet skin (A); ``partition``: ``"spatial"`` or ``"block"``.
         balance: load balance of the spatial partition (halo storage): a threshold on max / mean
             owned atoms per rank (>= 1, e.g. 1.1). At the start and at every neighbour-list
@@ -295,8 +302,14 @@ def run_md(
             tdamp=tdamp,
             chain=chain,
             pressure=pressure,
+            barostat=barostat,
+            pdamp=pdamp,
+            pchain=pchain,
+            coupling=coupling,
+            compressibility=compressibility,
             seed=seed,
             initial_temperature=initial_temperature,
+            zero_momentum=zero_momentum,
             skin=skin,
             storage=storage,
             trajectory=trajectory,
@@ -316,9 +329,7 @@ def run_md(
             raise ValueError("a batch runs in graph storage, split by index: no partition= or balance=")
 
         def one(kind: Any, **kw: Any) -> VelocityVerlet:
-            return _integrator(
-                kind, kw["dt"], kw["temperature"], kw["friction"], kw["seed"], kw["tdamp"], kw["chain"]
-            )
+            return _integrator(kind, **kw)
 
         return run_md_batch(system, potential, opts, one)
     storage = storage or "halo"
@@ -346,8 +357,8 @@ def run_md(
         coupling,
         compressibility,
     )
-    if pressure is not None and storage == "graph":
-        raise ValueError("pressure= runs with storage='halo' (graph storage keeps its cell fixed)")
+    if zero_momentum:
+        integ.zero_momentum = True  # a setting of the integrator (its state, the checkpoint)
     if balance is not None:
         if storage != "halo" or partition != "spatial":
             raise ValueError(

@@ -14,6 +14,16 @@ to several systems; one model evaluation gives every system's energy and forces)
   of systems it holds no row of) and driven by that system's global ``sum m v^2``: the ``[S]``
   vector of them is one all-reduce per thermostat half-step for the whole batch (two per step),
   not one per system;
+- **barostat** (NPT: :class:`~twinshard.atoms.dynamics.integrators.IsotropicMTK` or
+  :class:`~twinshard.atoms.dynamics.scr.StochasticCellRescaling`, per system with its own pressure,
+  coupling and state): each system's barostat binds to a :class:`SystemView` of the batch (its
+  cell ``cells[s]`` in the storage, its virial ``[s]`` of the batch evaluation, its size, a
+  ``reduce_sum`` over the ranks), so the integrator is the single-system one, unchanged. Its
+  scalars and cell are replicated: every rank runs every active barostat in the system order,
+  also with no row of that system (empty rows), so each rank issues the same collectives (a
+  barostat's own: per thermostat half-step one all-reduce of a scalar (MTK) or of the 9-number
+  kinetic tensor (SCR), per system: not batched) and sets the same cell
+  (:meth:`GraphSharded.set_cell <twinshard.atoms.parallel.graph_storage.GraphSharded.set_cell>`);
 - **thermo**: one file per system (``thermo="out/thermo.{i}.log"``, or a list of paths), each in
   the format of a single-system run (:class:`~twinshard.atoms.dynamics.md.ThermoLog`): the rows of
   system ``i`` can be compared with (or restarted like) its run alone line by line, and the
@@ -36,8 +46,9 @@ model sees each system's own radius graph, the per-system energies are separate 
 
 Collectives per step (every rank, the same sequence): the storage's ``update`` (one all_gather of
 the owned positions), the model's evaluation, two ``[S]`` all-reduces with a Nose-Hoover chain, one
-thermo all-reduce on logged steps; at a drop-out, the gather of the batch and its re-scatter.
-A barostat is refused (graph storage keeps the cells fixed).
+thermo all-reduce on logged steps; at a drop-out, the gather of the batch and its re-scatter; with
+barostats, the virials of the evaluation (the model's one all-reduce of ``[S, 3, 3]``) and each
+barostat's own all-reduces (above).
 """
 
 from __future__ import annotations
@@ -48,13 +59,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from ase import units
 
 from twinshard.atoms.data.system import System
 from twinshard.atoms.dynamics import sanity
-from twinshard.atoms.dynamics.integrators import NoseHooverChain, VelocityVerlet, kinetic_energy
+from twinshard.atoms.dynamics.integrators import (
+    NoseHooverChain,
+    VelocityVerlet,
+    kinetic_dof,
+    kinetic_energy,
+    remove_momentum,
+)
 from twinshard.atoms.dynamics.md import ThermoLog, checkpoint_state, save_checkpoint
 
-__all__ = ["BatchIntegrator", "per_system_paths", "simulate_batch"]
+__all__ = ["BatchIntegrator", "SystemView", "per_system_paths", "simulate_batch"]
 
 T = torch.Tensor
 
@@ -79,6 +97,52 @@ def per_system_paths(
     return [text.replace("{i}", str(i)) for i in range(n)]
 
 
+class _Batch:
+    """The run's current storage, the systems in it (``alive``: storage index -> system) and the
+    virials of its last evaluation ``[S_alive, 3, 3]`` (replicated); replaced at a drop-out."""
+
+    def __init__(self, reduce: Any) -> None:
+        self.g: Any = None
+        self.alive: list[int] = []
+        self.virial: torch.Tensor | None = None
+        self.reduce = reduce
+
+
+class SystemView:
+    """The engine a barostat of batch system ``s`` binds to (what
+    :meth:`IsotropicMTK.bind <twinshard.atoms.dynamics.integrators.IsotropicMTK.bind>` and
+    :meth:`StochasticCellRescaling.bind <twinshard.atoms.dynamics.scr.StochasticCellRescaling.bind>`
+    read): replicated ``rank``, ``n_atoms`` (the system's), ``pbc``, ``cell`` (``cells[s]`` of the
+    storage), ``virial`` (the system's of the last batch evaluation); ``set_cell`` sets the
+    system's cell on this rank's storage (every rank calls it with the same cell; no
+    communication); ``reduce_sum`` is one all-reduce over the ranks (collective: every rank calls
+    it, rows of the system or not)."""
+
+    need_virial = False
+
+    def __init__(self, batch: _Batch, s: int, n_atoms: int, pbc: torch.Tensor, rank: int) -> None:
+        self._batch, self.s = batch, int(s)
+        self.n_atoms, self.pbc, self.rank = int(n_atoms), pbc, int(rank)
+
+    def _at(self) -> int:
+        return self._batch.alive.index(self.s)
+
+    @property
+    def cell(self) -> torch.Tensor:
+        return self._batch.g.cells[self._at()]
+
+    @property
+    def virial(self) -> torch.Tensor | None:
+        v = self._batch.virial
+        return None if v is None else v[self._at()]
+
+    def set_cell(self, cell: torch.Tensor) -> None:
+        self._batch.g.set_cell(cell, system=self._at())
+
+    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self._batch.reduce(x.reshape(-1)).to(x.dtype).reshape(x.shape)
+
+
 class BatchIntegrator:
     """One integrator per system (settings and state of each its own). ``first`` / ``second`` act
     on this rank's owned rows, given as per-system row slices; see the module docstring."""
@@ -92,22 +156,24 @@ class BatchIntegrator:
                 raise TypeError(
                     f"a batch integrator holds VelocityVerlet/Langevin/NoseHooverChain, got {integ!r}"
                 )
-            if getattr(integ, "barostat", False):
-                raise ValueError(
-                    "a batch of systems runs in graph storage, which keeps every cell fixed: no barostat "
-                    "(run NPT one system at a time with storage='halo')"
-                )
         self.integrators = integrators
-        self.chained = [isinstance(i, NoseHooverChain) for i in integrators]
+        self.baro = [bool(getattr(i, "barostat", False)) for i in integrators]
+        # the batched chains: a barostat (MTK is a chain too) runs its own step, chain included
+        self.chained = [isinstance(i, NoseHooverChain) and not b for i, b in zip(integrators, self.baro)]
 
     def __len__(self) -> int:
         return len(self.integrators)
 
-    def bind(self, sizes: Sequence[int], rank: int) -> None:
-        """Each chain's degrees of freedom (3 N of its own system) and the rank that counts its heat."""
-        for integ, n in zip(self.integrators, sizes):
-            if isinstance(integ, NoseHooverChain):
-                integ.n_dof, integ._rank = 3 * int(n), int(rank)
+    def bind(self, sizes: Sequence[int], rank: int, views: Sequence[Any] | None = None) -> None:
+        """Each chain's degrees of freedom (3 N of its own system) and the rank that counts its heat;
+        each barostat bound to its system's :class:`SystemView` (``views[s]``)."""
+        for s, (integ, n) in enumerate(zip(self.integrators, sizes)):
+            if self.baro[s]:
+                if views is None:
+                    raise ValueError("a batch with barostats binds each to its system's view")
+                integ.bind(views[s])
+            elif isinstance(integ, NoseHooverChain):
+                integ.n_dof, integ._rank = kinetic_dof(n, integ.zero_momentum), int(rank)
 
     def _mv2(self, v: torch.Tensor, m: torch.Tensor, rows: dict[int, slice], reduce: Any) -> list[float]:
         """Every system's global ``sum m v^2`` (one all-reduce of ``[S]``)."""
@@ -148,11 +214,16 @@ class BatchIntegrator:
         x, v = x.clone(), v.clone()
         for s in active:
             r = rows.get(s)
+            if self.baro[s]:  # every rank, rows here or not: its collectives and cell are everyone's
+                r = slice(0, 0) if r is None else r
             if r is None:
                 continue
             integ = self.integrators[s]
             if self.chained[s]:  # the chain's half-step is done: velocity Verlet's B and A
                 xs, vs, h = VelocityVerlet.first(integ, x[r], v[r], f[r], m[r], ids[r], step)
+            elif self.baro[s]:
+                baro = self.integrators[s]  # this system's own barostat (its state and cell)
+                xs, vs, h = baro.first(x[r], v[r], f[r], m[r], ids[r], step)
             else:
                 xs, vs, h = integ.first(x[r], v[r], f[r], m[r], ids[r], step)
             x[r], v[r] = xs, vs
@@ -167,6 +238,8 @@ class BatchIntegrator:
         heat = torch.zeros(len(self), dtype=v.dtype, device=v.device)
         for s in active:
             r = rows.get(s)
+            if self.baro[s]:  # every rank (see first)
+                r = slice(0, 0) if r is None else r
             if r is None:
                 continue
             integ = self.integrators[s]
@@ -180,9 +253,9 @@ class BatchIntegrator:
         return v, heat + heat2
 
     def energy(self, s: int) -> float:
-        """System ``s``'s thermostat energy (a chain's; 0 otherwise)."""
+        """System ``s``'s thermostat or barostat energy (a chain's, a barostat's; 0 otherwise)."""
         integ = self.integrators[s]
-        return float(integ.energy()) if isinstance(integ, NoseHooverChain) else 0.0
+        return float(integ.energy()) if hasattr(integ, "energy") else 0.0
 
 
 def _rows(g: Any, alive: list[int]) -> dict[int, slice]:
@@ -249,26 +322,56 @@ def simulate_batch(
     held: list[System] | None = [s.clone() for s in systems] if rank == 0 and systems is not None else None
     g = GraphSharded.scatter(held, 0, cutoff=cutoff, skin=skin)
     sizes, owned_start = list(g.sizes), g.counts()
-    integrator.bind(sizes, rank)
     alive = list(range(n))  # storage index -> system index
-    final: dict[int, System] = {}  # rank 0: the systems that dropped out
-    logs = [
-        ThermoLog(sizes[i], path=thermo_paths[i] if rank == 0 else None, resumed=start[i] > 0)
-        for i in range(n)
-    ]
-    heat_local = torch.zeros(n, dtype=torch.float64, device=dev)
-    if rank == 0 and heats is not None:
-        heat_local += torch.tensor([float(h) for h in heats], dtype=torch.float64, device=dev)
-    dropouts: list[tuple[int, int]] = []
-    evaluations = 0
+    baro = integrator.baro
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
         return prim.all_reduce(t.to(torch.float64).contiguous(), g.group, op="batch_md")
 
+    batch = _Batch(reduce)
+    batch.g, batch.alive = g, alive
+    views = [SystemView(batch, i, sizes[i], g.pbcs[i], rank) for i in range(n)]
+    integrator.bind(sizes, rank, views)
+    final: dict[int, System] = {}  # rank 0: the systems that dropped out
+    logs = [
+        ThermoLog(
+            sizes[i],
+            path=thermo_paths[i] if rank == 0 else None,
+            resumed=start[i] > 0,
+            columns=ThermoLog.NPT_COLUMNS if baro[i] else ThermoLog.COLUMNS,
+            n_dof=kinetic_dof(sizes[i], integrator.integrators[i].zero_momentum),
+        )
+        for i in range(n)
+    ]
+    zero = [integrator.integrators[i].zero_momentum and start[i] == 0 for i in range(n)]
+    if any(zero):  # each such system's net momentum removed: one all-reduce of [S, 4] for all
+        rows0 = _rows(g, alive)
+        loc = torch.zeros(n, 4, dtype=torch.float64, device=dev)
+        for s, r in rows0.items():
+            loc[s, :3] = (g.masses[r, None] * g.velocities[r]).sum(0).to(torch.float64)
+            loc[s, 3] = g.masses[r].sum().to(torch.float64)
+        tot = reduce(loc)
+        v0 = g.velocities.clone()
+        for s, r in rows0.items():
+            if zero[s]:  # remove_momentum with the agreed sums of its system
+                v0[r] = remove_momentum(v0[r], g.masses[r], lambda _local, t=tot[s]: t)
+        g.velocities = v0
+    heat_local = torch.zeros(n, dtype=torch.float64, device=dev)
+    if rank == 0 and heats is not None:
+        heat_local += torch.tensor([float(h) for h in heats], dtype=torch.float64, device=dev)
+    if rank == 0:  # a barostat's start value (P_ext V0 ...) counts as heat drawn (as simulate does)
+        for i in range(n):
+            if baro[i] and start[i] == 0:
+                heat_local[i] -= integrator.energy(i)
+    dropouts: list[tuple[int, int]] = []
+    evaluations = 0
+
     def compute() -> tuple[torch.Tensor, torch.Tensor]:
         nonlocal evaluations
         evaluations += 1
-        res = dp.compute(g, compute_stress=False)
+        stress = any(baro[s] for s in alive)  # replicated: the same on every rank
+        res = dp.compute(g, compute_stress=stress)
+        batch.virial = res.virial.reshape(-1, 3, 3) if stress else None
         return res.energy.reshape(-1), res.forces
 
     def record(at: dict[int, int], energy: torch.Tensor, forces: torch.Tensor, write: bool = True) -> None:
@@ -283,8 +386,16 @@ def simulate_batch(
         k, h, fm = out[:n].tolist(), out[n : 2 * n].tolist(), out[2 * n :].view(nranks, n, 2)
         e = {alive[j]: float(energy[j]) for j in range(len(alive))}
         for s, step in sorted(at.items()):
-            dt_fs = integrator.integrators[s].dt_fs
-            row = logs[s].add(step, step * dt_fs, e[s], k[s], e[s] + k[s] - h[s], write=write)
+            integ = integrator.integrators[s]
+            extra = None
+            if baro[s]:  # the barostat's volume and the instantaneous pressure (agreed virial and K)
+                assert batch.virial is not None
+                vol = float(integ.volume())
+                vir = float(torch.diagonal(batch.virial[alive.index(s)]).sum())
+                extra = {"volume": vol, "pressure": (vir + 2.0 * k[s]) / (3.0 * vol) / units.bar}
+            row = logs[s].add(
+                step, step * integ.dt_fs, e[s], k[s], e[s] + k[s] - h[s], write=write, extra=extra
+            )
             try:  # every rank holds the same values: all raise together
                 sanity.check_thermo(row, fm[:, s], max_temperature, max_force)
             except sanity.Diverged as exc:
@@ -341,6 +452,7 @@ def simulate_batch(
             dropouts += [(step - 1, s) for s in done]
             alive = keep
             g = GraphSharded.scatter(rest, 0, cutoff=cutoff, skin=skin)
+            batch.g, batch.alive = g, alive
             energy, forces = compute()
         active = [s for s in alive if start[s] < step]
         rows = _rows(g, alive)

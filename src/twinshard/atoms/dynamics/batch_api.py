@@ -3,8 +3,11 @@
 system, each equal to that system run alone to round-off.
 
 Per-system options: ``steps``, ``thermostat`` (a name, or one integrator object per system),
-``temperature``, ``friction``, ``seed``, ``tdamp``, ``chain``, ``initial_temperature``: a value for
-every system or a list of one per system. Files: ``thermo``, ``trajectory``, ``checkpoint`` a path
+``temperature``, ``friction``, ``seed``, ``tdamp``, ``chain``, ``initial_temperature``, and for NPT
+``pressure`` (bar; ``None``: no barostat for that system), ``barostat``, ``pdamp``, ``pchain``,
+``coupling``, ``compressibility``: a value for every system or a list of one per system. Each
+system with a pressure gets its own barostat (its state and cell; :mod:`twinshard.atoms.dynamics.batch`).
+Files: ``thermo``, ``trajectory``, ``checkpoint`` a path
 holding ``{i}`` (the system's index) or a list of paths; ``restart`` a list of the checkpoints a
 batch wrote (one per system). The batch runs in graph storage: the potential is a plain-PyTorch
 model (the dict contract: ``PlainMessagePassing``, MACE), one for the whole batch (one cutoff).
@@ -69,8 +72,9 @@ def run_md_batch(
     systems: Sequence[Any] | None, potential: torch.nn.Module, opts: dict[str, Any], make_integrator: Any
 ) -> list[Any]:
     """The batch form of :func:`~twinshard.atoms.dynamics.api.run_md` (called by it with its
-    options; ``make_integrator(thermostat, dt, temperature, friction, seed, tdamp, chain)`` builds
-    one system's integrator)."""
+    options; ``make_integrator(thermostat, dt=, temperature=, friction=, seed=, tdamp=, chain=,
+    pressure=, barostat=, pdamp=, pchain=, coupling=, compressibility=)`` builds one system's
+    integrator)."""
     from twinshard.runtime import get_world, in_torchrun, init_world, shared_pool
 
     restart = opts["restart"]
@@ -87,10 +91,6 @@ def run_md_batch(
         systems = [as_system(s, dtype, what=f"run_md's system {i}") for i, s in enumerate(systems)]
         if hasattr(potential, "check_species"):
             potential.check_species(sorted({int(z) for s in systems for z in s.numbers.unique().tolist()}))
-    if opts["pressure"] is not None:
-        raise ValueError(
-            "pressure=: a batch runs in graph storage, which keeps every cell fixed (no barostat)"
-        )
     if opts["storage"] not in (None, "graph"):
         raise ValueError(
             f"a batch of systems runs in graph storage (storage='graph' or None), got {opts['storage']!r}"
@@ -99,13 +99,18 @@ def run_md_batch(
     if any(s < 0 for s in steps):
         raise ValueError(f"steps must be >= 0 for every system, got {steps}")
     thermostat = per_system("thermostat", opts["thermostat"], n)
-    kw = {k: per_system(k, opts[k], n) for k in ("temperature", "friction", "seed", "tdamp", "chain", "dt")}
+    names = ("temperature", "friction", "seed", "tdamp", "chain", "dt")
+    names += ("pressure", "barostat", "pdamp", "pchain", "coupling", "compressibility")
+    kw = {k: per_system(k, opts[k], n) for k in names}
     integs = []
     for i in range(n):
         if isinstance(thermostat[i], VelocityVerlet):
             integs.append(thermostat[i])
         else:
             integs.append(make_integrator(thermostat[i], **{k: v[i] for k, v in kw.items()}))
+    for integ, zero in zip(integs, per_system("zero_momentum", opts["zero_momentum"], n)):
+        if zero:
+            integ.zero_momentum = True
     if len({id(i) for i in integs}) != n:
         raise ValueError(
             "give one integrator object per system (the same object twice would share its state)"
@@ -143,6 +148,7 @@ def _batch_rank(
     """Every rank: set up (rank 0 reads checkpoints and checks the files), run, evaluate the final
     states once more (energies, forces, stresses), one MDResult per system (systems on rank 0)."""
     from twinshard.atoms.dynamics.api import MDResult
+    from twinshard.atoms.dynamics.driver import npt_figures
     from twinshard.atoms.parallel.distributed import DistributedPotential
     from twinshard.atoms.parallel.graph_storage import GraphSharded
     from twinshard.comm import primitives as prim
@@ -260,6 +266,7 @@ def _batch_rank(
                     "file_repairs": notes,
                     "potential_notice": "; ".join(changed) or None,
                     "storage": "graph",
+                    **npt_figures(out["thermo"][i]),
                     **{
                         k: opts[k] if opts[k] < float("inf") else None
                         for k in ("max_temperature", "max_force")

@@ -172,11 +172,12 @@ class DistributedEngine:
     cell_can_change = property(lambda self: hasattr(self.sharded, "set_cell"))
 
     def set_cell(self, cell: torch.Tensor) -> None:
-        """A barostat's new cell, the same on every rank (no communication); the partition follows
-        it, and the next ``set_state(moved=True)`` rebuilds the halo plan and neighbour lists when
-        the skin no longer covers the strain (the rule of ``ShardedSystem.update``)."""
+        """A barostat's new cell, the same on every rank (no communication); the storage follows it
+        (halo: the partition; graph: the edges' Cartesian shifts), and the next
+        ``set_state(moved=True)`` rebuilds the neighbour lists (halo: and the plan) when the skin no
+        longer covers the strain (the rule of both storages' ``update``)."""
         if not hasattr(self.sharded, "set_cell"):
-            raise ValueError("a barostat runs with --storage halo (graph storage keeps its cell fixed)")
+            raise ValueError(f"a barostat changes the cell, which {type(self.sharded).__name__} cannot")
         self.sharded.set_cell(cell)
 
     def set_state(self, positions: torch.Tensor, velocities: torch.Tensor, moved: bool) -> None:

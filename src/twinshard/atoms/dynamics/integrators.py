@@ -12,6 +12,16 @@ integrator that needs a global value (the Nose-Hoover chain: the total kinetic e
 engine's ``reduce_sum`` and ``rank`` there. An integrator's ``state()`` holds its settings (a
 restart must match them) and, named in ``dynamic``, the variables it carries from step to step
 (stored in checkpoints, restored by ``load_state``).
+
+Net momentum (``zero_momentum``, an integrator setting, default off): with it, the run starts by
+removing the centre-of-mass velocity from every atom (:func:`remove_momentum`, ASE's
+``Stationary(atoms, preserve_temperature=False)``: one global sum, so every rank removes the same
+velocity) and the kinetic degrees of freedom are counted as ``3N - 3``
+(:func:`kinetic_dof`; ASE's temperature with a ``FixCom`` constraint): in the thermo log's
+temperature and in a Nose-Hoover chain's (and MTK's) ``N_dof``. Off (the default) keeps ``3N`` and the
+velocities as given, the convention of ASE's ``NoseHooverChainNVT`` / ``IsotropicMTKNPT``, which
+the parity tests against ASE and every existing trajectory follow. A restart must match it (it is
+in :meth:`state` when on).
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ __all__ = [
     "npt_integrator",
     "kinetic_energy",
     "maxwell_boltzmann",
+    "kinetic_dof",
+    "remove_momentum",
 ]
 
 LANGEVIN_STREAM = 0x4C414E47  # "LANG": Langevin noise stream of the counter-based RNG
@@ -66,6 +78,25 @@ def maxwell_boltzmann(
     return torch.sqrt(units.kB * temperature / masses)[:, None] * xi
 
 
+def kinetic_dof(n_atoms: int, zero_momentum: bool = False) -> int:
+    """The kinetic degrees of freedom of ``n_atoms``: ``3N - 3`` when the net momentum is removed
+    (and conserved), else ``3N`` (at least 1 for a non-empty system)."""
+    n = 3 * int(n_atoms)
+    return max(n - 3, 1 if n else 0) if zero_momentum else n
+
+
+def remove_momentum(velocities: torch.Tensor, masses: torch.Tensor, reduce_sum: Any = None) -> torch.Tensor:
+    """``v - sum(m v) / sum(m)``: the velocities with zero total momentum (ASE's
+    ``Stationary(preserve_temperature=False)``). ``velocities``/``masses`` are this rank's atoms
+    (``Shard(0)``; all atoms serially); ``reduce_sum`` sums over the ranks (one all-reduce of 4
+    numbers, fp64; identity serially), so every rank subtracts the same centre-of-mass velocity.
+    Out: the same placement as ``velocities``."""
+    local = torch.cat([(masses[:, None] * velocities).sum(0), masses.sum().reshape(1)]).to(torch.float64)
+    total = local if reduce_sum is None else reduce_sum(local)
+    v_com = (total[:3] / total[3]) if float(total[3]) > 0 else torch.zeros_like(total[:3])
+    return velocities - v_com.to(velocities)
+
+
 class VelocityVerlet:
     """NVE velocity Verlet. ``first``: half kick + drift; ``second``: half kick.
 
@@ -75,6 +106,12 @@ class VelocityVerlet:
 
     thermostat = False
     dynamic: tuple[str, ...] = ()  # state() entries that change during a run (none here)
+    zero_momentum = False  # a setting (module docstring): set on the object, recorded in state()
+
+    def _settings(self) -> dict[str, Any]:
+        """Settings common to every integrator (in :meth:`state` only when not the default, so
+        the checkpoints of runs without them are unchanged)."""
+        return {"zero_momentum": True} if self.zero_momentum else {}
 
     def __init__(self, dt: float = 2.0) -> None:
         if not dt > 0:
@@ -115,7 +152,7 @@ class VelocityVerlet:
 
     def state(self) -> dict[str, Any]:
         """The settings a restart must match (plain values, stored in checkpoints)."""
-        return {"kind": "nve", "dt_fs": self.dt_fs}
+        return {"kind": "nve", "dt_fs": self.dt_fs, **self._settings()}
 
 
 class Langevin(VelocityVerlet):
@@ -173,6 +210,7 @@ class Langevin(VelocityVerlet):
         return {
             "kind": "langevin",
             "dt_fs": self.dt_fs,
+            **self._settings(),
             "temperature": self.temperature,
             "friction": self.friction,
             "seed": self.seed,
@@ -205,7 +243,7 @@ class NoseHooverChain(VelocityVerlet):
 
     Thermostat masses ``Q_1 = N_dof kT tdamp^2``, ``Q_k = kT tdamp^2`` with ``N_dof = 3 N``
     (no 3 subtracted for the conserved momentum: ASE's convention, and the thermo log's
-    temperature). The chain (``eta``, ``p_eta``: Python floats) is replicated: every rank
+    temperature; ``3N - 3`` with ``zero_momentum``, see the module docstring). The chain (``eta``, ``p_eta``: Python floats) is replicated: every rank
     updates it from the same global kinetic energy, so all ranks scale their velocities by the
     same factor and a distributed trajectory equals the serial one. The kinetic energy changes
     inside a half-step only by that scaling, so it is tracked as ``K * s^2``: one ``reduce_sum``
@@ -257,7 +295,7 @@ class NoseHooverChain(VelocityVerlet):
 
     def bind(self, engine: Any) -> None:
         self._reduce_sum, self._rank = engine.reduce_sum, int(engine.rank)
-        self.n_dof = 3 * int(engine.n_atoms)
+        self.n_dof = kinetic_dof(engine.n_atoms, self.zero_momentum)
 
     def energy(self) -> float:
         """The chain's share of the extended energy (eV)."""
@@ -280,7 +318,8 @@ class NoseHooverChain(VelocityVerlet):
         ``mv2``: the global sum of m v^2 when the caller has it (else one ``reduce_sum``); that of
         the result is left in ``_mv2``."""
         if self.n_dof == 0:
-            self.n_dof = 3 * velocities.shape[0]  # unbound: a serial caller's atoms are all atoms
+            # unbound: a serial caller's atoms are all atoms
+            self.n_dof = kinetic_dof(velocities.shape[0], self.zero_momentum)
         before = NoseHooverChain.energy(self)
         mv2 = self._twice_kinetic(velocities, masses) if mv2 is None else mv2
         q, m, eta, p = self._masses(), self.chain, self.eta, self.p_eta
@@ -339,6 +378,7 @@ class NoseHooverChain(VelocityVerlet):
         return {
             "kind": "nose-hoover",
             "dt_fs": self.dt_fs,
+            **self._settings(),
             "temperature": self.temperature,
             "tdamp_fs": self.tdamp_fs,
             "chain": self.chain,
@@ -464,7 +504,9 @@ class IsotropicMTK(NoseHooverChain):
                 "(no --pressure) for a slab, wire or molecule"
             )
         if not getattr(engine, "cell_can_change", True):
-            raise ValueError("a barostat runs with --storage halo (graph storage keeps its cell fixed)")
+            raise ValueError(
+                f"a barostat changes the cell, which this engine ({type(engine).__name__}) cannot"
+            )
         if not any(self.cell0):  # a fresh run: the reference cell is the start cell
             self.cell0 = [float(c) for c in engine.cell.detach().double().cpu().reshape(9).tolist()]
         if abs(float(torch.linalg.det(self._cell0()))) == 0.0:

@@ -50,8 +50,10 @@ from twinshard.atoms.dynamics.integrators import (  # re-exported: md.py held th
     Langevin,
     NoseHooverChain,
     VelocityVerlet,
+    kinetic_dof,
     kinetic_energy,
     maxwell_boltzmann,
+    remove_momentum,
 )
 from twinshard.atoms.dynamics.md_files import NPT_COLUMNS, THERMO_COLUMNS, prepare_outputs
 from twinshard.atoms.dynamics.provenance import check_payload, payload_checksum, structure_identity
@@ -67,6 +69,8 @@ __all__ = [
     "IsotropicMTK",
     "maxwell_boltzmann",
     "kinetic_energy",
+    "kinetic_dof",
+    "remove_momentum",
     "Engine",
     "SerialEngine",
     "ThermoLog",
@@ -182,7 +186,9 @@ class SerialEngine:
 @dataclass
 class ThermoLog:
     """Rows of (step, time_fs, potential, kinetic, temperature, conserved), eV and K; with a
-    barostat (``columns=NPT_COLUMNS``) also volume (A^3) and pressure (bar).
+    barostat (``columns=NPT_COLUMNS``) also volume (A^3) and pressure (bar). The temperature is
+    ``2 E_kin / (n_dof kB)``, ``n_dof`` the kinetic degrees of freedom (``3N``, or ``3N - 3`` with
+    the net momentum removed: :func:`~twinshard.atoms.dynamics.integrators.kinetic_dof`).
 
     ``resumed``: the file belongs to a restarted run (prepared by
     :func:`~twinshard.atoms.dynamics.md_files.repair_thermo`): :meth:`add` appends to it."""
@@ -192,6 +198,7 @@ class ThermoLog:
     path: str | os.PathLike | None = None
     resumed: bool = False
     columns: tuple[str, ...] = THERMO_COLUMNS
+    n_dof: int | None = None  # kinetic degrees of freedom of the temperature (default 3 n_atoms)
 
     COLUMNS = THERMO_COLUMNS
     NPT_COLUMNS = NPT_COLUMNS
@@ -206,7 +213,8 @@ class ThermoLog:
         write: bool = True,
         extra: dict[str, float] | None = None,
     ) -> dict[str, float]:
-        temp = 2.0 * kinetic / (3.0 * self.n_atoms * units.kB) if self.n_atoms else 0.0
+        dof = 3 * self.n_atoms if self.n_dof is None else self.n_dof
+        temp = 2.0 * kinetic / (dof * units.kB) if dof else 0.0
         row = {
             "step": step,
             "time_fs": time_fs,
@@ -298,12 +306,17 @@ def simulate(
         names = ("checkpoint=", "trajectory=", "thermo_path=")
         prepare_outputs(start_step, checkpoint, trajectory, thermo_path, names=names)
     npt = bool(getattr(integrator, "barostat", False))
+    zero = bool(getattr(integrator, "zero_momentum", False))
     log = ThermoLog(
         engine.n_atoms,
         path=thermo_path if engine.rank == 0 else None,
         resumed=start_step > 0,
         columns=NPT_COLUMNS if npt else THERMO_COLUMNS,
+        n_dof=kinetic_dof(engine.n_atoms, zero),
     )
+    if zero and start_step == 0:  # the net momentum removed (one global sum; a restart keeps its own)
+        v = remove_momentum(engine.velocities, engine.masses, engine.reduce_sum)
+        engine.set_state(engine.positions, v, moved=False)  # every rank's atoms
     # Heat this rank's atoms exchanged with the bath so far; summed over ranks only when logged
     # (a sum of local sums), so a thermostat adds no collective to unlogged steps. A restart
     # carries the global sum so far on rank 0.

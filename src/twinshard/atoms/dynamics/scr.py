@@ -164,13 +164,16 @@ class StochasticCellRescaling(VelocityVerlet):
                 "(no --pressure) for a slab, wire or molecule"
             )
         if not getattr(engine, "cell_can_change", True):
-            raise ValueError("a barostat runs with --storage halo (graph storage keeps its cell fixed)")
+            raise ValueError(
+                f"a barostat changes the cell, which this engine ({type(engine).__name__}) cannot"
+            )
         if not any(self.cell_now):  # a fresh run: the engine's cell; a restart loaded its own
             self.cell_now = [float(c) for c in engine.cell.detach().double().cpu().reshape(9).tolist()]
         if abs(float(torch.linalg.det(self.cell()))) == 0.0:
             raise ValueError("a barostat needs a cell with a volume (its lattice vectors are coplanar)")
         self._engine, self._reduce_sum, self._rank = engine, engine.reduce_sum, int(engine.rank)
         if self.chain is not None:
+            self.chain.zero_momentum = self.zero_momentum  # its N_dof
             self.chain.bind(engine)
         engine.need_virial = True
 
@@ -301,6 +304,7 @@ class StochasticCellRescaling(VelocityVerlet):
         out: dict[str, Any] = {
             "kind": "npt-scr",
             "dt_fs": self.dt_fs,
+            **self._settings(),
             "temperature": self.temperature,
             "pressure_bar": self.pressure_bar,
             "thermostat": self.thermostat_kind,

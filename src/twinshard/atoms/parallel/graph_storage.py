@@ -14,6 +14,12 @@ Layout (:class:`GraphSharded`, built by the collective :meth:`GraphSharded.scatt
 - geometry replicated: every rank holds every position ``[N, 3]`` (3 numbers per atom) and the
   per-system ``cells [S, 3, 3]`` and ``pbcs [S, 3]``, so it builds the neighbour list of its own
   receivers without communication; ownership is by index, so MD never migrates atoms;
+- cells (NPT): :meth:`GraphSharded.set_cell` / :meth:`GraphSharded.set_cells` replace a system's
+  cell on every rank (replicated values from the barostat, no communication); the positions are
+  scaled by the integrator on the owned rows and re-replicated by the next ``update``; the edges
+  keep their integer lattice shifts (``cell_shifts``) and their Cartesian ``shifts`` become
+  ``cell_shifts @ cell``; ``update`` rebuilds the list by the strain-aware rule of halo storage,
+  per system;
 - edges: receivers are the owned atoms, senders every atom within ``cutoff + skin`` of them in
   the same system. Indices are *rank-relative global ids* (placement :class:`OwnedFirst`): on
   rank ``r`` id ``i`` names global row ``(i + offsets[r]) mod N``, so the owned rows are ids
@@ -35,7 +41,10 @@ reduce-scatter adjoint: bytes and memory per rank scale with the rows a rank nee
 the boundary rows of its neighbours' blocks), not with N x features per layer, and the handler and
 its adjoint already exist and are tested. ``index_add_`` into an owned buffer ships contributions
 to their owners (``sharded_scatter``; here every receiver is owned, so nothing leaves the rank but
-the counts). Per-system energies ``(S,)``: ``per_system_reduce`` (one all-reduce). Forces: the
+the counts; and since every rank's receivers are its own, the dispatch's routing of those
+calls is agreed local once, when it is built: a plain local ``index_select`` / ``index_add``
+without a copy through the all-to-all, the same values). One rank: plain tensors, no dispatch.
+Per-system energies ``(S,)``: ``per_system_reduce`` (one all-reduce). Forces: the
 model's own ``torch.autograd.grad`` with respect to ``positions``; the gather's adjoint returns
 every edge's contribution to the owner, so ``-dE/dx`` is complete on the owned rows (no further
 reduction). Stress: the model's displacement ``[S, 3, 3]`` is a plain replicated input; its
@@ -142,7 +151,10 @@ class GraphSharded:
         self.builds = 0
         self.senders = self.receivers = torch.zeros(0, dtype=torch.int64)
         self.shifts = torch.zeros(0, 3, dtype=torch.float64)
+        self.cell_shifts = torch.zeros(0, 3, dtype=torch.int64)  # integer lattice shifts of the edges
+        self.edge_counts: list[int] = []  # edges of each system (the list is concatenated by system)
         self._ref = torch.zeros(0, 3, dtype=torch.float64)
+        self._build_cells = torch.zeros(0, 3, 3, dtype=torch.float64)  # the cells of the last build
         self.radius_graph = RadiusGraph()  # the model's edges: r < cutoff (graph_inputs)
 
     # ------------------------------------------------------------- scatter
@@ -299,7 +311,7 @@ class GraphSharded:
         """The edges of the owned receivers, from the replicated geometry (no communication)."""
         lo, hi, n = self.offsets[self.rank], self.offsets[self.rank + 1], self.n_total
         x = self.all_positions.detach()
-        snd, rcv, sh = [], [], []
+        snd, rcv, sh, csh, counts = [], [], [], [], []
         start = 0
         for s, size in enumerate(self.sizes):
             a, b = max(lo, start), min(hi, start + size)
@@ -311,6 +323,10 @@ class GraphSharded:
                 snd.append(e.senders[keep] + start)
                 rcv.append(e.receivers[keep] + start)
                 sh.append(e.shifts[keep])
+                csh.append(e.cell_shifts[keep])
+                counts.append(int(keep.sum()))
+            else:
+                counts.append(0)
             start += size
         dev = self.device
         none = torch.zeros(0, dtype=torch.int64, device=dev)
@@ -319,30 +335,119 @@ class GraphSharded:
         self.senders = (glob_s - lo) % max(n, 1)  # rank-relative ids (OwnedFirst)
         self.receivers = glob_r - lo
         self.shifts = torch.cat(sh) if sh else torch.zeros(0, 3, dtype=self.dtype, device=dev)
+        self.cell_shifts = torch.cat(csh) if csh else torch.zeros(0, 3, dtype=torch.int64, device=dev)
+        self.edge_counts = counts
         self._ref = x.clone()
+        self._build_cells = self.cells.detach().clone()
         self.builds += 1
+
+    # ------------------------------------------------------------- the cell (NPT)
+    def set_cell(self, cell: torch.Tensor, system: int | None = None) -> None:
+        """Replicated, no communication: a barostat's new cell ``[3, 3]`` for one system (every
+        rank passes the same one; ``system`` may be omitted for a single system). See
+        :meth:`set_cells`."""
+        if system is None:
+            if self.n_systems != 1:
+                raise ValueError(
+                    f"set_cell: this storage holds a batch of {self.n_systems} systems; name the "
+                    "system (set_cell(cell, system=s)) or give every cell (set_cells)"
+                )
+            system = 0
+        if not 0 <= int(system) < self.n_systems:
+            raise ValueError(f"set_cell: system {system} is not one of the {self.n_systems} systems")
+        cells = self.cells.clone()
+        cells[int(system)] = torch.as_tensor(cell).detach().to(cells)
+        self.set_cells(cells)
+
+    def set_cells(self, cells: torch.Tensor) -> None:
+        """Replicated, no communication: the cells ``[S, 3, 3]`` of every system (the same on every
+        rank: the barostats compute them from agreed values). The positions are replicated and
+        scaled by the integrator on the owned rows (the next :meth:`update` re-replicates them), so
+        nothing else moves here: the neighbour list keeps its pairs and integer lattice shifts,
+        and the Cartesian shifts of a changed system's edges become ``cell_shifts @ cell`` (the
+        formula of the list's own build, so the same bits as a fresh list at this cell). The list
+        is rebuilt by :meth:`update` when the skin no longer covers the strain and the motion
+        since the last build (its rule). Memory: the edges' shifts, rewritten in place of the old."""
+        cells = torch.as_tensor(cells).detach().to(dtype=self.cells.dtype, device=self.cells.device)
+        if cells.shape != self.cells.shape:
+            raise ValueError(
+                f"set_cells: expected cells of shape {tuple(self.cells.shape)}, got {tuple(cells.shape)}"
+            )
+        changed = [s for s in range(self.n_systems) if not torch.equal(cells[s], self.cells[s])]
+        if not changed:
+            return
+        self.cells = cells.clone()
+        self._reshift(changed)
+
+    def _reshift(self, systems: list[int]) -> None:
+        """The Cartesian shifts of the edges of ``systems`` at the current cells."""
+        shifts = self.shifts.clone()
+        at = 0
+        for s, count in enumerate(self.edge_counts):
+            if count and s in systems:
+                cs = self.cell_shifts[at : at + count]
+                if bool(self.pbcs[s].any()):
+                    shifts[at : at + count] = cs.to(shifts.dtype) @ self.cells[s].to(shifts)
+            at += count
+        self.shifts = shifts  # a new tensor: the radius graph's cache sees the change
+
+    def _affine_reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last build's positions carried by each system's deformation since then, ``x_ref
+        M_s`` with ``M_s = cell_build^-1 cell``, ``[N, 3]``; each system's strain margin ``(cutoff
+        + skin) (1 - sigma_min(M_s))``, ``[S]``, 0 for a system whose cell is the build's or only
+        grew). Replicated: every rank computes it from the same cells (no communication)."""
+        ref = self._ref
+        margin = torch.zeros(self.n_systems, dtype=torch.float64)
+        if self._build_cells.shape != self.cells.shape or torch.equal(self._build_cells, self.cells):
+            return ref, margin
+        ref = ref.clone()
+        start = 0
+        for s, size in enumerate(self.sizes):
+            built, now = self._build_cells[s], self.cells[s]
+            if not torch.equal(built, now):
+                m = torch.linalg.solve(built.double().cpu(), now.double().cpu())
+                sigma = float(torch.linalg.svdvals(m).min())
+                margin[s] = max(0.0, (self.cutoff + self.skin) * (1.0 - sigma))
+                ref[start : start + size] = ref[start : start + size] @ m.to(ref)
+            start += size
+        return ref, margin
 
     # ------------------------------------------------------------- MD
     def update(self, force: bool = False) -> bool:
         """Collective: re-replicate the positions (one all_gather of the owned rows) and rebuild
-        the neighbour list if any atom moved more than ``skin / 2`` since the last build (the
-        decision is taken from replicated data: the same on every rank). Raises
-        :class:`~twinshard.atoms.dynamics.sanity.Diverged` (a ValueError) on every rank, before the neighbour
-        list, if a position is NaN/inf or jumped farther than ``cutoff + skin`` since the last build
-        (then, on that agreed path only, one all_gather of the owned ids names the atoms). Returns
-        whether it rebuilt. Memory: the ``N x 3`` replicated positions and the owned receivers'
-        edges."""
+        the neighbour list when the skin no longer covers what changed since the last build (or
+        when ``force``): per system ``s``, with ``M_s = cell_build^-1 cell`` its cell's deformation
+        since then and ``d_s`` the largest displacement of its atoms from their build positions
+        carried by ``M_s`` (``|x - x_ref M_s|``, the non-affine motion), the rule is ``2 d_s +
+        (cutoff + skin) (1 - sigma_min(M_s)) > skin`` for any system (halo storage's rule,
+        :meth:`ShardedSystem.update <twinshard.atoms.parallel.sharded.ShardedSystem.update>`; with
+        fixed cells ``d > skin / 2``). The decision is taken from replicated data: the same on
+        every rank. Raises :class:`~twinshard.atoms.dynamics.sanity.Diverged` (a ValueError) on
+        every rank, before the neighbour list, if a position is NaN/inf or jumped farther than
+        ``cutoff + skin`` from that reference (then, on that agreed path only, one all_gather of
+        the owned ids names the atoms). Returns whether it rebuilt. Memory: the ``N x 3``
+        replicated positions and the owned receivers' edges."""
         self._replicate(agreed=True)
         x = self.all_positions
         limit = self.cutoff + self.skin
-        d = sanity.displacements(x, self._ref)
+        ref, margin = self._affine_reference()
+        d = sanity.displacements(x, ref)
         disp = float(d.max()) if d.numel() else 0.0
         if disp > limit:  # replicated: every rank takes this branch
             ids = self.all_gather_rows(self.ids)
             lo, hi = self.offsets[:-1], self.offsets[1:]
-            rows = [sanity.position_report(x[a:b], self._ref[a:b], ids[a:b], limit) for a, b in zip(lo, hi)]
+            rows = [sanity.position_report(x[a:b], ref[a:b], ids[a:b], limit) for a, b in zip(lo, hi)]
             sanity.check_positions(torch.stack(rows), limit)
-        if force or disp > 0.5 * self.skin:
+        need = False
+        if bool(margin.any()):  # a cell changed since the build: the rule per system
+            start = 0
+            for s, size in enumerate(self.sizes):
+                ds = float(d[start : start + size].max()) if size else 0.0
+                need = need or 2.0 * ds + float(margin[s]) > self.skin
+                start += size
+        else:
+            need = disp > 0.5 * self.skin
+        if force or need:
             self._build()
             return True
         return False
@@ -402,7 +507,10 @@ class GraphSharded:
 
 # ----------------------------------------------------------------------------- evaluation
 def graph_inputs(
-    g: GraphSharded, positions: torch.Tensor | None = None, cutoff: float | None = None
+    g: GraphSharded,
+    positions: torch.Tensor | None = None,
+    cutoff: float | None = None,
+    wrap: bool | None = None,
 ) -> dict[str, Any]:
     """The plain-contract input dict of this rank (no communication): ``positions``, ``numbers``,
     ``batch`` as ``OwnedFirst`` ShardTensors (``positions`` differentiable in the owned rows
@@ -412,7 +520,12 @@ def graph_inputs(
 
     The edges are the radius graph ``r < cutoff`` (default ``g.cutoff``) at the replicated
     positions ``g.all_positions`` (current after :meth:`GraphSharded.update`): the Verlet list
-    (``cutoff + skin``) minus its skin edges, as the model's own neighbour list would give it."""
+    (``cutoff + skin``) minus its skin edges, as the model's own neighbour list would give it.
+
+    A group of one rank gets plain tensors (every row is owned, the ids are the global rows: there
+    is nothing to fetch or ship), so the model runs as serially, without the dispatch's per-op
+    cost, as halo storage's one-rank block (:func:`~twinshard.atoms.parallel.plain_inputs.block_inputs`);
+    ``wrap=True`` wraps them anyway (a one-rank check of the dispatch itself)."""
     x = g.positions if positions is None else positions
     spec = g.spec()
     # rank-relative ids: id i is global row (i + offsets[rank]) mod N
@@ -420,13 +533,14 @@ def graph_inputs(
     senders, receivers, shifts = g.radius_graph(
         rel, g.senders, g.receivers, g.shifts.to(x.dtype), float(g.cutoff if cutoff is None else cutoff)
     )
+    plain = not wrap and g.nranks == 1
     return {
-        "positions": from_local(x, spec),
-        "numbers": ShardTensor.wrap(g.numbers, spec),
+        "positions": x if plain else from_local(x, spec),
+        "numbers": g.numbers if plain else ShardTensor.wrap(g.numbers, spec),
         "senders": senders,
         "receivers": receivers,
         "shifts": shifts,
-        "batch": ShardTensor.wrap(g.batch, spec),
+        "batch": g.batch if plain else ShardTensor.wrap(g.batch, spec),
         "cell": g.cells.to(x.device, x.dtype),
         **system_values(g.infos, x),
     }

@@ -9,7 +9,8 @@ every rank owns some atoms and keeps what its model evaluation needs of the othe
   refreshes, analytic pair potentials, plain models through the dispatch); NPT, load balance.
 - ``"graph"`` (:class:`~twinshard.atoms.parallel.graph_storage.GraphSharded`): atoms split by
   index into balanced blocks, the geometry replicated, no halo and no migration; plain-PyTorch
-  models through the ShardTensor dispatch; a batch of systems of any sizes.
+  models through the ShardTensor dispatch; a batch of systems of any sizes; NPT (each system's
+  cell set by ``set_cell``/``set_cells``, replicated, the edges' shifts following it).
 
 :class:`Storage` is what the rest of the package may read or call on either (the MD engine,
 :class:`~twinshard.atoms.parallel.distributed.DistributedPotential`, the calculator, validate,
