@@ -1578,6 +1578,14 @@ MUTATIONS: list[Mutation] = [
         "need = need or 2.0 * ds > self.skin",
         ("tests/atoms/test_graph_npt.py::test_set_cell_shifts_and_strain_rule",),
     ),
+    M(
+        "mace_edge_index_restacked",
+        "the routing rebuilt at every evaluation (a fresh edge_index tensor per call)",
+        "atoms/potentials/mace.py",
+        '            "edge_index": self.edge_index(data["senders"], data["receivers"]),',
+        '            "edge_index": torch.stack([data["senders"], data["receivers"]]),',
+        ("tests/atoms/test_graph_cost.py::test_mace_routes_once_per_neighbour_list",),
+    ),
 ]
 
 

@@ -47,3 +47,31 @@ def test_local_paths_equal_the_general_path_bit_for_bit(ranks):
             # measured 5 against 12: the sender gathers only (positions, two layers; the first
             # layer's features do not depend on the positions: no backward there)
             assert calls <= calls0 // 2 and calls > 0, (calls, calls0)
+
+
+def _rank_mace_routes():
+    from twinshard.atoms.potentials.mace import MaceAdapter, build_mace
+
+    torch.manual_seed(0)
+    adapter = MaceAdapter(build_mace())
+    s = structures.fcc_argon(repeat=2, rattle=0.1, seed=2) if dist.get_rank() == 0 else None
+    if s is not None:  # the default model's species
+        s.numbers = torch.tensor([1, 6, 8, 29] * (s.n_atoms // 4))
+    g = GraphSharded.scatter(s, 0, cutoff=float(adapter.cutoff), skin=0.5)
+    dp = DistributedPotential(adapter, mode="dispatch")
+    first = graph_compute(dp, g)  # routes built
+    with CommLedger() as ledger:
+        again = graph_compute(dp, g)
+    built = {op: ledger.ops[op].calls for op in ("sharded_gather", "sharded_scatter") if op in ledger.ops}
+    return torch.equal(first.forces, again.forces), built
+
+
+def test_mace_routes_once_per_neighbour_list():
+    """MACE through graph storage (issue 22: "route once per evaluation"): the adapter hands mace the
+    same ``edge_index`` tensor while the neighbour list is unchanged, so a second evaluation builds
+    no routing (no ids all-to-all of the sharded gather or scatter) and gives the same forces."""
+    pytest.importorskip("mace")
+    from twinshard.testing import run_on_world
+
+    for same, built in run_on_world(_rank_mace_routes, 2):
+        assert same and not built, f"a second evaluation rebuilt its routing: {built}"

@@ -248,6 +248,18 @@ class MaceAdapter(nn.Module):
         table = torch.full((max(z) + 1,), -1, dtype=torch.int64)
         table[torch.tensor(z)] = torch.arange(len(z))
         self.register_buffer("species_index", table, persistent=False)
+        # the last edge_index handed to mace, with what it was stacked from: reused while the
+        # neighbour list hands the same tensors (so the dispatch's routing of mace's
+        # edge_index[0] / [1] gathers, kept per index tensor, is reused across evaluations)
+        self._edges: tuple[Any, ...] | None = None
+
+    def edge_index(self, senders: torch.Tensor, receivers: torch.Tensor) -> torch.Tensor:
+        """``[senders, receivers]`` stacked once per neighbour list (module docstring)."""
+        key = (senders, receivers, senders._version, receivers._version)
+        kept = self._edges
+        if kept is None or any(a is not b for a, b in zip(kept[:2], key[:2])) or kept[2:4] != key[2:]:
+            self._edges = (*key, torch.stack([senders, receivers]))
+        return self._edges[4]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -317,7 +329,7 @@ class MaceAdapter(nn.Module):
         inputs = {
             "positions": data["positions"].to(dtype),
             "node_attrs": node_attrs,
-            "edge_index": torch.stack([data["senders"], data["receivers"]]),
+            "edge_index": self.edge_index(data["senders"], data["receivers"]),
             "shifts": shifts,
             "unit_shifts": unit,
             "cell": cell3.reshape(-1, 3),
