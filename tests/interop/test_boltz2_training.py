@@ -21,6 +21,9 @@ alignment and the smooth lDDT, against ``AtomDiffusion.compute_loss``). What is 
   ``get_true_coordinates`` reads ``K, L = coords.shape[1:3]`` as ``(A, 3)`` and raises (the step
   then returns None, "Skipping batch").
 
+Cases: serial (two complexes, fixed and random recycling, 1 and 3 samples) and ``cp_model_of`` on
+1x1, 2x2, 2x3 and 3x3 (uneven N and A, 1 to 3 samples).
+
 Compared: the loss; the structure module's training forward (``denoised_atom_coords``, ``sigmas``,
 ``aligned_true_atom_coords``, captured from boltz's ``structure_module`` call); every parameter
 gradient by name (the trunk's, the conditioning's and the structure module's from the diffusion
@@ -315,8 +318,10 @@ def _rank(grid, c):
 
 
 CP_CASES = [
+    ((1, 1), dict(n=9, m=2, recycling=0, fixed_recycling=True, seed=3)),
     ((2, 2), dict(n=11, m=3, recycling=1, fixed_recycling=True, seed=4, samples=2)),
     ((2, 3), dict(n=10, m=1, recycling=1, fixed_recycling=False, seed=5)),
+    ((3, 3), dict(n=13, m=2, recycling=0, fixed_recycling=True, seed=6)),
 ]
 
 

@@ -79,7 +79,6 @@ __all__ = [
     "NUM_MOL_TYPES",
     "NUM_TOKENS",
     "RELEASED_BOLTZ2",
-    "TRAINING_FEATURES",
     "WINDOW_KEYS",
     "WINDOW_QUERIES",
     "FeatureSpec",
@@ -329,14 +328,15 @@ _SPECS: tuple[FeatureSpec, ...] = (
 # fmt: on
 
 CONTRACT: dict[str, FeatureSpec] = {s.name: s for s in _SPECS}
-# the training targets (the whole-model training step): not inputs of the forward, not made by
-# synthetic_complex (twinshard.pair.synthetic.synthetic_training_features makes them)
-TRAINING_FEATURES = ("coords", "disto_target", "token_disto_mask")
 
 TEMPLATE_FEATURES = tuple(s.name for s in _SPECS if s.kind == "template")
-# the training features (true structure side; synthetic.synthetic_training_features draws them,
-# K = 1 squeezed where Boltz has a conformer axis) and the form distribute derives
+# the training features (the whole-model training step's targets and masks: not inputs of the
+# forward, not made by synthetic_complex; synthetic.synthetic_training_features draws them, K = 1
+# squeezed where Boltz has a conformer axis) and the form distribute derives
 TRAINING_FEATURES = (
+    "coords",
+    "disto_target",
+    "token_disto_mask",
     "token_to_center_atom",
     "atom_resolved_mask",
     "frame_resolved_mask",
