@@ -2,8 +2,8 @@
 its checkpoints (main env; the step against boltz's own ``Boltz2.training_step`` is
 tests/interop/test_boltz2_training.py).
 
-- ``test_cp_step_matches_serial`` (2x2 N 11 m 3; 2x3 N 10 m 1; 3x3 N 13 m 2; counter-based draws keyed by global
-  atom index): two steps; the loss of each step, the structure module's training outputs
+- ``test_cp_step_matches_serial`` (2x2 N 11 m 3; 2x3 N 10 m 1; 1x1 and 3x3 run against boltz
+  itself in tests/interop; counter-based draws keyed by global atom index): two steps; the loss of each step, the structure module's training outputs
   (``denoised_atom_coords``, ``aligned_true_atom_coords``, ``sigmas``), every parameter gradient
   of the first step by name, every weight after each AdamW update and the EMA weights equal serial
   (fp64, round-off gate), identical on every rank. The losses: the distogram loss, the confidence
@@ -122,11 +122,7 @@ def _rank(grid, c):
     return _run(model, distribute(_feats(c["n"], c["seed"]), grid), c)
 
 
-CASES = [
-    ((2, 2), dict(n=11, m=3, seed=4)),
-    ((2, 3), dict(n=10, m=1, seed=5)),
-    ((3, 3), dict(n=13, m=2, seed=6)),
-]
+CASES = [((2, 2), dict(n=11, m=3, seed=4)), ((2, 3), dict(n=10, m=1, seed=5))]
 
 
 @pytest.mark.parametrize("grid,c", CASES, ids=[f"{grid_id(g)}-N{c['n']}-m{c['m']}" for g, c in CASES])
