@@ -50,7 +50,7 @@ from twinshard.bench.whole_trunk import add_trunk_options
 from twinshard.comm import CommLedger
 from twinshard.comm.ledger import BYTES_MODEL
 from twinshard.pair.layers.contraction import schedule_name
-from twinshard.pair.precision import MODES, dtype_default, run_in_mode
+from twinshard.pair.precision import add_precision_options, dtype_default, run_in_mode
 from twinshard.runtime import get_world, make_grid, reports, run_ranks
 
 __all__ = ["add_parser", "run", "trunk_rank", "summarise"]
@@ -95,19 +95,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="activation checkpointing per layer (Pairformer, MSA and template blocks)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=("float64", "float32"),
-        default=None,
-        help="parameter and activation dtype (the older option; --precision says more)",
-    )
-    p.add_argument(
-        "--precision",
-        choices=MODES,
-        default=None,
-        help="fp32 (default), tf32, bf16 (weights and activations), bf16-mixed (autocast, Boltz's fp32 "
-        "regions kept), fp64; the serial check runs in the same mode",
-    )
+    add_precision_options(p, "; the serial check runs in the same mode")
     p.add_argument("--single-channels", type=int, default=64, help="c_s (token_s)")
     p.add_argument("--pair-channels", type=int, default=32, help="c_z (token_z)")
     p.add_argument("--heads", type=int, default=4, help="heads of the attention with pair bias")

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from twinshard.pair.output import CONFIDENCE_KEYS
-from twinshard.pair.precision import MODES, dtype_default, precision
+from twinshard.pair.precision import add_precision_options, dtype_default, precision
 from twinshard.runtime import reports, run_ranks
 
 __all__ = [
@@ -133,19 +133,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="draws (and the embedded weights and complex)")
     p.add_argument("--format", choices=("mmcif", "pdb"), default="mmcif", help="structure format")
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "float64"),
-        default=None,
-        help="parameter and activation dtype (the older option; --precision says more)",
-    )
-    p.add_argument(
-        "--precision",
-        choices=MODES,
-        default=None,
-        help="fp32 (default), tf32 (TF32 matmuls on CUDA), bf16 (weights and activations), bf16-mixed "
-        "(autocast around fp32 weights, Boltz's fp32 regions kept: Boltz-2's own mode), fp64",
-    )
+    add_precision_options(p, "; the serial check (--check-serial) runs in the same mode")
     p.add_argument("--checkpoint", default=None, help="a Boltz-2 Lightning checkpoint (.ckpt)")
     p.add_argument("--features", default=None, help="a torch.save'd Boltz-2 feature dict (.pt)")
     p.add_argument("--check-serial", action="store_true", help="run the serial model on rank 0 and compare")

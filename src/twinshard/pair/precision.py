@@ -41,7 +41,7 @@ from torch import nn
 from twinshard.comm.amp import autocast_on
 from twinshard.runtime.agree import agree_scalars
 
-__all__ = ["MODES", "Precision", "dtype_default", "precision", "run_in_mode"]
+__all__ = ["MODES", "Precision", "add_precision_options", "dtype_default", "precision", "run_in_mode"]
 
 MODES = ("fp64", "fp32", "tf32", "bf16", "bf16-mixed")
 
@@ -142,3 +142,21 @@ def run_in_mode(mode_name: str, fn: Any, *args: Any) -> Any:
 
     with precision(mode_name).scope(get_world().device.type, what=getattr(fn, "__name__", "rank body")):
         return fn(*args)
+
+
+def add_precision_options(parser: Any, note: str = "") -> None:
+    """A command's ``--dtype`` (the older option) and ``--precision`` (read them with
+    :func:`dtype_default`); ``note`` ends the ``--precision`` help."""
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float64"),
+        default=None,
+        help="parameter and activation dtype (the older option; --precision says more)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=MODES,
+        default=None,
+        help="fp32 (default), tf32 (TF32 matmuls on CUDA), bf16 (weights and activations), bf16-mixed "
+        "(autocast around fp32 weights, Boltz's fp32 regions kept: Boltz-2's own mode), fp64" + note,
+    )
