@@ -50,7 +50,7 @@ from twinshard.pair.layers.outer_product import CPOuterProductMean
 from twinshard.pair.reference import distogram_target
 from twinshard.pair.reference.outer_product import OuterProductMean
 from twinshard.pair.train import CPTrunk, Trunk
-from twinshard.testing import perturb_zero_parameters, random_mask, run_on_grid, synthetic
+from twinshard.testing import perturb_zero_parameters, random_grad_output, random_mask, run_on_grid, synthetic
 
 N, CS, CZ, BINS, S = 6, 8, 8, 4, 3
 KW = dict(num_heads=2, dropout=0.0, pairwise_head_width=4, pairwise_num_heads=2, convention="boltz")
@@ -170,7 +170,7 @@ def _run_opm(grid, act, mask_kind, autocast):
     with DtypeAudit() as audit, ctx:
         y = twin(shard_tensor(m, "msa", grid, layout), shard_tensor(mask, "msa", grid, layout))
         full = collect_tensor(y)
-        (full.float() * torch.linspace(-1, 1, full.numel()).view_as(full)).sum().backward()
+        full.backward(random_grad_output(full))  # in the output's dtype, as a loss's gradient arrives
     for h in hooks:
         h.remove()
     grads = {k: (str(p.dtype), str(p.grad.dtype)) for k, p in twin.named_parameters() if p.grad is not None}

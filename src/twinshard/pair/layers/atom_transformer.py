@@ -146,6 +146,31 @@ def window_plan(layout: PairLayout, grid: ProcessGrid, w: int, h: int) -> Window
     )
 
 
+def slice_move(x: torch.Tensor, sends: Any, recvs: Any, op: str) -> Packed:
+    """Start moving rows between ranks: ``x[b, lo:hi]`` to peer ``p`` for each ``(p, b, lo, hi)`` of
+    ``sends``; ``hi - lo`` rows from peer ``p`` for each ``(p, b, lo, hi, pos)`` of ``recvs`` (their
+    place ``pos`` is the caller's). ``.wait()`` gives the received pieces in ``recvs`` order."""
+    rest = tuple(x.shape[2:])
+    return Packed(
+        [(p, x[b, lo:hi]) for p, b, lo, hi in sends],
+        [(p, (hi - lo, *rest)) for p, _, lo, hi, _ in recvs],
+        x.dtype,
+        op,
+    )
+
+
+def slice_return(g: torch.Tensor, sends: Any, recvs: Any, op: str) -> Packed:
+    """The adjoint of :func:`slice_move`: each received piece's gradient ``g[b, pos : pos + hi -
+    lo]`` back to its sender; ``.wait()`` gives the returned pieces in ``sends`` order."""
+    rest = tuple(g.shape[2:])
+    return Packed(
+        [(p, g[b, pos : pos + hi - lo]) for p, b, lo, hi, pos in recvs],
+        [(p, (hi - lo, *rest)) for p, _, lo, hi in sends],
+        g.dtype,
+        f"{op}:backward",
+    )
+
+
 @autocast_rule()
 class _KeyFrame(torch.autograd.Function):
     """My tile ``[B, A_blk, ...]`` -> my key frame ``[B, L, ...]`` (my atoms, the halo from the
@@ -159,14 +184,8 @@ class _KeyFrame(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, plan: WindowPlan, op: str) -> torch.Tensor:
         ctx.plan, ctx.op, ctx.shape = plan, op, tuple(local.shape)
-        rest = tuple(local.shape[2:])
-        pending = Packed(
-            [(p, local[b, lo:hi]) for p, b, lo, hi in plan.sends],
-            [(p, (hi - lo, *rest)) for p, _, lo, hi, _ in plan.recvs],
-            local.dtype,
-            op,
-        )
-        frame = local.new_zeros((local.shape[0], plan.frame_len, *rest))
+        pending = slice_move(local, plan.sends, plan.recvs, op)
+        frame = local.new_zeros((local.shape[0], plan.frame_len, *local.shape[2:]))
         for b, (s, c) in enumerate(zip(plan.starts, plan.counts)):
             pos = s - plan.origin(b)
             frame[b, pos : pos + c] = local[b, :c]
@@ -178,13 +197,7 @@ class _KeyFrame(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         plan = ctx.plan
         g = g.contiguous()
-        rest = ctx.shape[2:]
-        back = Packed(
-            [(p, g[b, pos : pos + hi - lo]) for p, b, lo, hi, pos in plan.recvs],
-            [(p, (hi - lo, *rest)) for p, _, lo, hi in plan.sends],
-            g.dtype,
-            f"{ctx.op}:backward",
-        )
+        back = slice_return(g, plan.sends, plan.recvs, ctx.op)
         gl = g.new_zeros(ctx.shape)
         for b, (s, c) in enumerate(zip(plan.starts, plan.counts)):
             pos = s - plan.origin(b)

@@ -72,10 +72,10 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from twinshard.comm.amp import autocast_rule
 from twinshard.comm.ops import sync_grad
+from twinshard.pair.layers.atom_transformer import slice_move, slice_return
 from twinshard.pair.layers.diffusion import sample_layout
 from twinshard.pair.layers.sums import column_sum, grid_sum
 from twinshard.pair.layers.triangle import pair_grid
-from twinshard.pair.layers.triangle_attention import Packed
 from twinshard.pair.layout import PairLayout, atom_keep, layout_kind, layout_of
 from twinshard.pair.reference.alignment import weighted_rigid_align
 from twinshard.pair.reference.structure_loss import (
@@ -157,14 +157,8 @@ class _ColumnAtoms(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, plan: AtomColumns, op: str) -> torch.Tensor:
         ctx.plan, ctx.op, ctx.shape = plan, op, tuple(local.shape)
-        rest = tuple(local.shape[2:])
-        pending = Packed(
-            [(p, local[b, lo:hi]) for p, b, lo, hi in plan.sends],
-            [(p, (hi - lo, *rest)) for p, _, lo, hi, _ in plan.recvs],
-            local.dtype,
-            op,
-        )
-        piece = local.new_zeros((local.shape[0], plan.length, *rest))
+        pending = slice_move(local, plan.sends, plan.recvs, op)
+        piece = local.new_zeros((local.shape[0], plan.length, *local.shape[2:]))
         for (_, b, lo, hi, pos), got in zip(plan.recvs, pending.wait()):
             piece[b, pos : pos + hi - lo] = got
         return piece
@@ -173,13 +167,7 @@ class _ColumnAtoms(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         plan = ctx.plan
         g = g.contiguous()
-        rest = ctx.shape[2:]
-        back = Packed(
-            [(p, g[b, pos : pos + hi - lo]) for p, b, lo, hi, pos in plan.recvs],
-            [(p, (hi - lo, *rest)) for p, _, lo, hi in plan.sends],
-            g.dtype,
-            f"{ctx.op}:backward",
-        )
+        back = slice_return(g, plan.sends, plan.recvs, ctx.op)
         gl = g.new_zeros(ctx.shape)
         for (_, b, lo, hi), piece in zip(plan.sends, back.wait()):
             gl[b, lo:hi] += piece
