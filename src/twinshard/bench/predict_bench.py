@@ -92,20 +92,34 @@ def _features(tokens: int, o: dict[str, Any], dtype: torch.dtype, seed: int) -> 
     return f
 
 
-def _build(o: dict[str, Any], dtype: torch.dtype, seed: int):
+def build_model(cls: type, config: Any, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """``cls(config)`` (``Boltz2Model`` or ``CPBoltz2Model``) with random weights from ``seed``, the
+    same on every rank and for both classes (every parameter + 0.1 N(0, 1): zero inits would leave
+    parts idle), in eval mode."""
+    torch.manual_seed(seed + 1)
+    m = cls(config).to(dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, p in sorted(m.named_parameters()):
+            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype))
+    return m.eval()
+
+
+def rank_models(tokens: int, grid_shape: tuple[int, int], o: dict[str, Any], dtype_name: str, seed: int):
+    """A bench rank's set-up: ``(grid, device, dtype, serial, cp, feats)``: the grid, the serial
+    model and its CP twin with the same random weights (the twin on the world's device), and the
+    synthetic complex's features (on the CPU)."""
     from twinshard.pair.layers.model import CPBoltz2Model
     from twinshard.pair.reference.model import Boltz2Model
+    from twinshard.runtime import get_world, make_grid
 
-    cfg = model_config(o)
-    torch.manual_seed(seed + 1)
-    serial = Boltz2Model(cfg).to(dtype)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # zero inits (output projections, gates) would leave parts idle
-        for p in serial.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype))
-    cp = CPBoltz2Model(cfg).to(dtype)
+    dtype = getattr(torch, dtype_name)
+    grid = make_grid(tuple(grid_shape))
+    device = get_world().device
+    serial = build_model(Boltz2Model, model_config(o), dtype, seed)
+    cp = CPBoltz2Model(model_config(o)).to(dtype)
     cp.load_state_dict(serial.state_dict())
-    return serial.eval(), cp.eval()
+    return grid, device, dtype, serial, cp.eval().to(device), _features(tokens, o, dtype, seed)
 
 
 def predict_rank(
@@ -123,14 +137,9 @@ def predict_rank(
 
     from twinshard.memory import peak_memory_during
     from twinshard.pair.features import collect_tensor, distribute
-    from twinshard.runtime import get_world, make_grid
 
-    dtype = getattr(torch, dtype_name)
-    grid = make_grid(tuple(grid_shape))
-    device = get_world().device
-    serial, cp = _build(o, dtype, seed)
-    cp = cp.to(device)
-    feats = {k: v.to(device) for k, v in _features(tokens, o, dtype, seed).items()}
+    grid, device, dtype, serial, cp, feats = rank_models(tokens, grid_shape, o, dtype_name, seed)
+    feats = {k: v.to(device) for k, v in feats.items()}
     fd = distribute(feats, grid)
     keep = check_serial and grid.rank == 0
     if not keep:

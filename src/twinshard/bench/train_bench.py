@@ -20,8 +20,6 @@ import json
 import os
 from typing import Any
 
-import torch
-
 from twinshard.runtime import reports, run_ranks
 
 __all__ = ["run_train_bench", "train_rank"]
@@ -39,19 +37,13 @@ def train_rank(
     """Run on every rank of a world of rows x cols ranks; returns this rank's figures."""
     import time
 
-    from twinshard.bench.predict_bench import _build, _features
+    from twinshard.bench.predict_bench import rank_models
     from twinshard.memory import peak_memory_during
     from twinshard.pair.features import distribute
     from twinshard.pair.synthetic import synthetic_training_features
     from twinshard.pair.train_boltz2 import Boltz2Training, LossHooks, TrainingArgs
-    from twinshard.runtime import get_world, make_grid
 
-    dtype = getattr(torch, dtype_name)
-    grid = make_grid(tuple(grid_shape))
-    device = get_world().device
-    serial, cp = _build(o, dtype, seed)
-    cp = cp.to(device)
-    feats = _features(tokens, o, dtype, seed)
+    grid, device, dtype, serial, cp, feats = rank_models(tokens, grid_shape, o, dtype_name, seed)
     feats.update(synthetic_training_features(feats, seed=seed))
     feats["frames_idx"], feats["frame_resolved_mask"] = (
         feats["frames_idx"][:, 0],

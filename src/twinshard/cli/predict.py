@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from twinshard.bench.predict_bench import build_model
 from twinshard.pair.output import CONFIDENCE_KEYS
 from twinshard.pair.precision import add_precision_options, dtype_default, precision
 from twinshard.runtime import reports, run_ranks
@@ -157,19 +158,6 @@ def default_config() -> Any:
 
     cfg = model_config(DEFAULTS)
     return replace(cfg, diffusion_process_args=dict(cfg.diffusion_process_args, sigma_max=SIGMA_MAX))
-
-
-def build_model(cls: type, config: Any, dtype: torch.dtype, seed: int) -> torch.nn.Module:
-    """``cls(config)`` (``Boltz2Model`` or ``CPBoltz2Model``) with random weights from ``seed``, the
-    same on every rank and for both classes (every parameter + 0.1 N(0, 1): zero inits would leave
-    parts idle), in eval mode."""
-    torch.manual_seed(seed + 1)
-    m = cls(config).to(dtype)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for _, p in sorted(m.named_parameters()):
-            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype))
-    return m.eval()
 
 
 def _read_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
