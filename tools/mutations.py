@@ -430,7 +430,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "thermo_sum_fp32",
         "fp32 cast",
-        "atoms/dynamics/driver.py",
+        "atoms/dynamics/run.py",
         "y = x.reshape(-1).to(prim.reduce_dtype(x.dtype)).contiguous()",
         "y = x.reshape(-1).to(torch.float32).contiguous()",
         ("tests/atoms/test_md_parity.py", "tests/atoms/test_driver.py"),
@@ -1003,7 +1003,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "restart_potential_compare_skipped",
         "dropped check",
-        "atoms/dynamics/driver.py",
+        "atoms/dynamics/run.py",
         "if saved is not None:",
         "if False:",
         ("tests/atoms/test_checkpoint_provenance.py",),
@@ -1585,6 +1585,31 @@ MUTATIONS: list[Mutation] = [
         '            "edge_index": self.edge_index(data["senders"], data["receivers"]),',
         '            "edge_index": torch.stack([data["senders"], data["receivers"]]),',
         ("tests/atoms/test_graph_cost.py::test_mace_routes_once_per_neighbour_list",),
+    ),
+    # -- atoms: the one rank body (issue 18)
+    M(
+        "rows_by_id_unsorted",
+        "wrong order",
+        "atoms/parallel/evaluate.py",
+        "return ids[order], rows[order]",
+        "return ids, rows",
+        ("tests/atoms/test_calculator.py", "tests/atoms/test_api.py"),
+    ),
+    M(
+        "md_restart_chain_rank0_only",
+        "unbroadcast state",
+        "atoms/dynamics/run.py",
+        "    load_dynamic_values(integ, dyn0)\n",
+        "    load_dynamic_values(integ, dyn0) if rank == 0 else None\n",
+        ("tests/atoms/test_nose_hoover.py",),
+    ),
+    M(
+        "md_rank_start_step_not_broadcast",
+        "unbroadcast state",
+        "atoms/dynamics/run.py",
+        "    resume = prim.broadcast(resume, 0, None, op=\"md_setup\")\n",
+        "    resume = resume if rank == 0 else resume * 0\n",
+        ("tests/atoms/test_restart.py",),
     ),
 ]
 

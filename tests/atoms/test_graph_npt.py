@@ -18,7 +18,7 @@ from twinshard.atoms import run_md
 from twinshard.atoms.data import structures
 from twinshard.atoms.data.neighbors import neighbor_list
 from twinshard.atoms.dynamics.driver import DistributedEngine
-from twinshard.atoms.dynamics.integrators import npt_integrator
+from twinshard.atoms.dynamics.ensembles import npt_integrator
 from twinshard.atoms.dynamics.md import SerialEngine, ThermoLog, maxwell_boltzmann, simulate
 from twinshard.atoms.parallel.distributed import DistributedPotential
 from twinshard.atoms.parallel.graph_storage import GraphSharded

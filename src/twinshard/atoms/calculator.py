@@ -73,36 +73,12 @@ def evaluate_distributed(
     partition: str = "spatial",
     storage: str = "halo",
 ) -> Results:
-    """Collective: scatter ``system`` (held by ``src``; ``None`` elsewhere), evaluate,
-    and return serial-ordered (by id) results replicated on every rank.
+    """Collective: :func:`twinshard.atoms.parallel.evaluate.evaluate` (the calculator's name for
+    it): scatter ``system`` (held by ``src``), evaluate, return serial-ordered results replicated
+    on every rank."""
+    from twinshard.atoms.parallel.evaluate import evaluate
 
-    ``storage``: ``"halo"`` (spatial blocks with halo atoms, ``partition``) or ``"graph"``
-    (atoms split by index, geometry replicated; plain-PyTorch models through the dispatch).
-
-    ``per_atom`` and ``forces`` rows follow the atoms sorted by global id (for a
-    system built with default ids that is the original order).
-    """
-    from twinshard.atoms.parallel.distributed import DistributedPotential
-    from twinshard.atoms.parallel.storage import scatter_storage
-    from twinshard.comm import primitives as prim
-
-    # a replicated option: a bad storage name raises on every rank
-    sharded = scatter_storage(
-        storage, system, src, cutoff=float(potential.cutoff), skin=skin, group=group, partition=partition
-    )
-    from twinshard.atoms.parallel.plain_inputs import as_potential, potential_mode
-
-    potential = as_potential(potential)  # a bare MACE module: behind MaceAdapter (dispatch mode)
-    res = DistributedPotential(
-        potential.to(sharded.positions.device), mode=potential_mode(potential)
-    ).compute(sharded)
-    counts = sharded.counts()
-    ids = prim.all_gather(sharded.ids.contiguous(), 0, group, counts, op="calculator")
-    rows = torch.cat([res.per_atom[:, None], res.forces], dim=1).contiguous()
-    rows = prim.all_gather(rows, 0, group, counts, op="calculator")
-    order = torch.argsort(ids)
-    rows = rows[order]
-    return Results(res.energy, rows[:, 0], rows[:, 1:], res.stress, res.virial)
+    return evaluate(potential, system, src, skin, group, partition, storage)
 
 
 class TwinshardCalculator(Calculator):

@@ -167,9 +167,7 @@ def eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from twinshard.atoms.dynamics.driver import ghost_shell_estimate
-    from twinshard.atoms.parallel.distributed import DistributedPotential
-    from twinshard.atoms.parallel.plain_inputs import potential_mode
-    from twinshard.atoms.parallel.sharded import ShardedSystem
+    from twinshard.atoms.parallel.evaluate import place, rows_by_id
     from twinshard.comm import primitives as prim
     from twinshard.memory import RssWindow, peak_memory_during
     from twinshard.runtime import require_world
@@ -178,8 +176,7 @@ def eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
     nranks = world.size
     pot = _eval_potential(opts)
     system = _eval_system(opts, nranks, pot) if world.rank == 0 else None
-    sharded = ShardedSystem.scatter(system, 0, cutoff=float(pot.cutoff), skin=float(opts["skin"]))
-    dp = DistributedPotential(pot, analytic=opts["analytic"], mode=potential_mode(pot))
+    sharded, dp = place(system, pot, skin=float(opts["skin"]), analytic=opts["analytic"])
     device = sharded.positions.device
     with RssWindow() as rss:
         _, build_peak = peak_memory_during(lambda: dp.compute(sharded), device)  # builds the list
@@ -209,8 +206,7 @@ def eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
         device=device,
     )
     allstats = prim.all_gather(stats[None], 0, sharded.group, op="bench").cpu()
-    ids = prim.all_gather(sharded.ids.contiguous(), 0, sharded.group, sharded.counts(), op="bench")
-    forces = prim.all_gather(res.forces.contiguous(), 0, sharded.group, sharded.counts(), op="bench")
+    ids, forces = rows_by_id(sharded, res.forces, op="bench")
     if world.rank != 0:
         return {}
     grid = tuple(getattr(sharded.partition, "grid", (nranks, 1, 1)))

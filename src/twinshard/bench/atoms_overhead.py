@@ -104,9 +104,8 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
     from twinshard.atoms.data.neighbors import VerletList
     from twinshard.atoms.dynamics.driver import ghost_shell_estimate
     from twinshard.atoms.parallel.distributed import DistributedPotential
-    from twinshard.atoms.parallel.graph_storage import GraphSharded, graph_compute
+    from twinshard.atoms.parallel.evaluate import place, rows_by_id
     from twinshard.atoms.parallel.plain_inputs import evaluate_plain
-    from twinshard.atoms.parallel.sharded import ShardedSystem
     from twinshard.atoms.potentials import evaluate
     from twinshard.comm import primitives as prim
     from twinshard.memory import peak_memory_during
@@ -117,15 +116,14 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
     hooks, plain = _models(opts)
     system = bench_system(opts, 1, _species(opts, plain)) if world.rank == 0 else None
     skin, stress = float(opts["skin"]), bool(opts["stress"])
-    sharded = ShardedSystem.scatter(system, 0, cutoff=float(plain.cutoff), skin=skin)
+    sharded, dp_dispatch = place(system, plain, skin=skin, mode="dispatch")
     legs: dict[str, Any] = {}
-    if hooks is not None:
+    if hooks is not None:  # the same storage, the Graph contract's halo refreshes
         dp_hooks = DistributedPotential(hooks, mode="hooks")
         legs["hooks"] = lambda: dp_hooks.compute(sharded, compute_stress=stress)
-    dp_dispatch = DistributedPotential(plain, mode="dispatch")
     legs["dispatch"] = lambda: dp_dispatch.compute(sharded, compute_stress=stress)
-    graph = GraphSharded.scatter(system, 0, cutoff=float(plain.cutoff), skin=skin)
-    legs["graph"] = lambda: graph_compute(dp_dispatch, graph, compute_stress=stress)
+    graph, dp_graph = place(system, plain, storage="graph", skin=skin)
+    legs["graph"] = lambda: dp_graph.compute(graph, compute_stress=stress)
     if nranks == 1:
         assert system is not None
         v_plain = VerletList(plain.cutoff, skin)
@@ -154,18 +152,11 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
     stats = prim.all_gather(
         torch.tensor([row], dtype=torch.float64, device=device), 0, sharded.group, op="bench"
     )
-    counts = sharded.counts()
-    ids = prim.all_gather(sharded.ids.contiguous(), 0, sharded.group, counts, op="bench")
-    forces = {
-        k: prim.all_gather(results[k].forces.contiguous(), 0, sharded.group, counts, op="bench")
+    by_id = {  # (ids, forces) of each distributed leg, in id order
+        k: rows_by_id(graph if k == "graph" else sharded, results[k].forces, op="bench")
         for k in names
-        if k in ("hooks", "dispatch")
+        if k in ("hooks", "dispatch", "graph")
     }
-    g_counts = graph.counts()
-    graph_ids = prim.all_gather(graph.ids.contiguous(), 0, sharded.group, g_counts, op="bench")
-    forces["graph"] = prim.all_gather(
-        results["graph"].forces.contiguous(), 0, sharded.group, g_counts, op="bench"
-    )
     if world.rank != 0:
         return {}
     stats = stats.cpu()
@@ -196,8 +187,8 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
             "seconds_all_rank0": wall[k],
             "energy": float(res.energy),
             "virial": res.virial,
-            "ids": graph_ids if k == "graph" else ids if k in forces else system.ids,  # type: ignore[union-attr]
-            "forces": forces.get(k, res.forces),
+            "ids": by_id[k][0] if k in by_id else system.ids,  # type: ignore[union-attr]
+            "forces": by_id[k][1] if k in by_id else res.forces,
         }
         out["legs"][k] = leg
     if nranks == 1:

@@ -71,11 +71,10 @@ def balance_rank(opts: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from twinshard.atoms.dynamics.driver import DistributedEngine
     from twinshard.atoms.dynamics.md import Langevin, maxwell_boltzmann, simulate
+    from twinshard.atoms.dynamics.run import DistributedEngine
     from twinshard.atoms.parallel.balance import imbalance
-    from twinshard.atoms.parallel.distributed import DistributedPotential
-    from twinshard.atoms.parallel.sharded import ShardedSystem
+    from twinshard.atoms.parallel.evaluate import place
     from twinshard.atoms.potentials import LennardJones
     from twinshard.comm import primitives as prim
     from twinshard.runtime import require_world
@@ -88,11 +87,9 @@ def balance_rank(opts: dict[str, Any]) -> dict[str, Any]:
             system.masses, system.ids, opts["temperature"], seed=opts["seed"]
         )
     pot = LennardJones(cutoff=float(opts["cutoff"]))
-    sh = ShardedSystem.scatter(
-        system, 0, cutoff=pot.cutoff, skin=float(opts["skin"]), balance=opts["balance"]
-    )
+    sh, dp = place(system, pot, skin=float(opts["skin"]), balance=opts["balance"])
     start = sh.counts()
-    engine = DistributedEngine(sh, DistributedPotential(pot))
+    engine = DistributedEngine(sh, dp)
     integ = Langevin(2.0, float(opts["temperature"]), 0.01, seed=int(opts["seed"]))
     t0 = time.perf_counter()
     simulate(engine, integ, int(opts["steps"]), thermo_every=int(opts["steps"]))

@@ -56,10 +56,9 @@ def soak_rank(opts: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from twinshard.atoms.data.structures import random_packing
-    from twinshard.atoms.dynamics.driver import DistributedEngine
     from twinshard.atoms.dynamics.md import Langevin, maxwell_boltzmann, simulate
-    from twinshard.atoms.parallel.distributed import DistributedPotential
-    from twinshard.atoms.parallel.sharded import ShardedSystem
+    from twinshard.atoms.dynamics.run import DistributedEngine
+    from twinshard.atoms.parallel.evaluate import place
     from twinshard.atoms.potentials import LennardJones
     from twinshard.comm import primitives as prim
     from twinshard.runtime import require_world
@@ -72,9 +71,9 @@ def soak_rank(opts: dict[str, Any]) -> dict[str, Any]:
             system.masses, system.ids, opts["temperature"], seed=opts["seed"]
         )
     pot = LennardJones(cutoff=float(opts["cutoff"]))
-    sharded = ShardedSystem.scatter(system, 0, cutoff=pot.cutoff, skin=float(opts["skin"]))
+    sharded, dp = place(system, pot, skin=float(opts["skin"]))
     expected = torch.arange(sharded.n_total, dtype=torch.int64)  # random_packing's ids
-    engine = DistributedEngine(sharded, DistributedPotential(pot))
+    engine = DistributedEngine(sharded, dp)
     integ = Langevin(opts["dt"], opts["temperature"], opts["friction"], seed=int(opts["seed"]))
     step, checks, heat = 0, 0, 0.0
     t0 = time.perf_counter()

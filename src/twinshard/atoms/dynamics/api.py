@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,79 +43,21 @@ from torch import nn
 
 from twinshard.atoms.data.io import as_system
 from twinshard.atoms.data.system import System
-from twinshard.atoms.dynamics.integrators import npt_integrator
+from twinshard.atoms.dynamics.ensembles import THERMOSTATS, integrator_for
 from twinshard.atoms.dynamics.md import (
-    Langevin,
-    NoseHooverChain,
-    ThermoLog,
     VelocityVerlet,
-    check_restart,
-    dynamic_values,
-    load_checkpoint,
-    load_dynamic_values,
     maxwell_boltzmann,
-    simulate,
 )
-from twinshard.atoms.dynamics.md_files import prepare_outputs
-from twinshard.atoms.dynamics.provenance import check_potential, check_structure, potential_provenance
+from twinshard.atoms.dynamics.run import (  # MDResult: re-exported
+    PYTHON,
+    MDOptions,
+    MDResult,
+    npt_figures,
+    run_rank,
+)
 from twinshard.atoms.dynamics.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
 
 __all__ = ["MDResult", "run_md"]
-
-
-@dataclass
-class MDResult:
-    """What :func:`run_md` returns.
-
-    ``system``: the final System (ordered by id; ``None`` on ranks other than 0
-    under torchrun); ``thermo``: the thermo log (every rank); ``energy``,
-    ``forces [n, 3]`` (rows of ``system``), ``stress`` and ``virial`` ``[3, 3]`` of
-    the final configuration (sign convention of
-    :mod:`twinshard.atoms.potentials.base`; ``stress`` is ``None`` without a cell
-    volume); ``migrations`` and ``ranks`` of the run; ``info["file_repairs"]``: what rank 0
-    removed or cut from the output files before step 1 (stale temporaries, torn tails; see
-    :mod:`twinshard.atoms.dynamics.md_files`); ``info["max_temperature"]``, ``info["max_force"]``: the
-    sanity bounds it was checked against (K, eV/A; ``None``: no bound);
-    ``info["potential_notice"]``: on a restart with ``allow_changed_potential``, what changed
-    (``None``: nothing).
-    """
-
-    system: System | None
-    thermo: ThermoLog
-    energy: float
-    forces: torch.Tensor | None
-    stress: torch.Tensor | None
-    virial: torch.Tensor | None
-    ranks: int
-    migrations: int
-    steps: int
-    start_step: int = 0
-    seconds: float = 0.0
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def atoms(self) -> Any:
-        """The final system as an ``ase.Atoms`` (rank 0), with forces/stress attached."""
-        if self.system is None:
-            return None
-        from ase.calculators.singlepoint import SinglePointCalculator
-
-        atoms = self.system.to_ase()
-        props: dict[str, Any] = {"energy": self.energy}
-        if self.forces is not None:
-            props["forces"] = self.forces.detach().cpu().double().numpy()
-        if self.stress is not None:
-            s = self.stress.detach().cpu().double()
-            props["stress"] = [
-                float(s[0, 0]),
-                float(s[1, 1]),
-                float(s[2, 2]),
-                float(s[1, 2]),
-                float(s[0, 2]),
-                float(s[0, 1]),
-            ]
-        atoms.calc = SinglePointCalculator(atoms, **props)
-        return atoms
 
 
 def _integrator(
@@ -142,31 +82,25 @@ def _integrator(
                 "StochasticCellRescaling) alone"
             )
         return thermostat
-    if pressure is not None:
-        return npt_integrator(
-            thermostat,
-            barostat,
-            dt,
-            temperature,
-            pressure,
-            tdamp,
-            pdamp,
-            chain,
-            pchain,
-            coupling=coupling,
-            compressibility=compressibility,
-            friction=friction,
-            seed=seed,
+    if thermostat not in THERMOSTATS + ("nve",):
+        raise ValueError(
+            "thermostat must be 'none', 'langevin', 'nose-hoover' or an integrator (VelocityVerlet, "
+            f"Langevin, NoseHooverChain), got {thermostat!r}"
         )
-    if thermostat in ("none", "nve"):
-        return VelocityVerlet(dt)
-    if thermostat == "langevin":
-        return Langevin(dt, temperature, friction, seed=seed)
-    if thermostat == "nose-hoover":
-        return NoseHooverChain(dt, temperature, tdamp, chain)
-    raise ValueError(
-        "thermostat must be 'none', 'langevin', 'nose-hoover' or an integrator (VelocityVerlet, "
-        f"Langevin, NoseHooverChain), got {thermostat!r}"
+    return integrator_for(
+        thermostat,
+        dt,
+        temperature,
+        friction,
+        seed,
+        tdamp,
+        chain,
+        pressure,
+        barostat,
+        pdamp,
+        pchain,
+        coupling,
+        compressibility,
     )
 
 
@@ -369,34 +303,34 @@ def run_md(
             raise ValueError(
                 f"balance is a threshold on max/mean owned atoms, >= 1 (e.g. 1.1); got {balance}"
             )
-    opts = {
-        "steps": int(steps),
-        "initial_temperature": initial_temperature,
-        "seed": int(seed),
-        "skin": float(skin),
-        "partition": partition,
-        "balance": None if balance is None else float(balance),
-        "storage": storage,
-        "trajectory": None if trajectory is None else os.fspath(trajectory),
-        "trajectory_every": max(1, int(trajectory_every)),
-        "thermo": None if thermo is None else os.fspath(thermo),
-        "thermo_every": max(1, int(thermo_every)),
-        "checkpoint": None if checkpoint is None else os.fspath(checkpoint),
-        "checkpoint_every": int(checkpoint_every),
-        "restart": None if restart is None else os.fspath(restart),
-        "allow_changed_potential": bool(allow_changed_potential),
-        "progress": bool(progress),
-        "max_temperature": bound("max_temperature", max_temperature),
-        "max_force": bound("max_force", max_force),
-    }
+    opts = MDOptions(
+        steps=int(steps),
+        skin=float(skin),
+        partition=partition,
+        balance=None if balance is None else float(balance),
+        storage=storage,
+        trajectory=None if trajectory is None else os.fspath(trajectory),
+        trajectory_every=max(1, int(trajectory_every)),
+        thermo=None if thermo is None else os.fspath(thermo),
+        thermo_every=max(1, int(thermo_every)),
+        checkpoint=None if checkpoint is None else os.fspath(checkpoint),
+        checkpoint_every=int(checkpoint_every),
+        restart=None if restart is None else os.fspath(restart),
+        allow_changed_potential=bool(allow_changed_potential),
+        progress=bool(progress),
+        max_temperature=bound("max_temperature", max_temperature),
+        max_force=bound("max_force", max_force),
+        dtype=dtype,
+    )
+    start = {"initial_temperature": initial_temperature, "seed": int(seed)}
     world = get_world()
     if world is None and in_torchrun():
         world = init_world()
     if world is not None:
-        return _md_rank(system, potential, integ, opts)
+        return _md_rank(system, potential, integ, opts, start)
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
-    from twinshard.atoms.dynamics.driver import COLLECTIVE_TIMEOUT
+    from twinshard.runtime.world import COLLECTIVE_TIMEOUT
 
     outs = shared_pool().run(
         _md_rank,
@@ -405,6 +339,7 @@ def run_md(
         potential,
         integ,
         opts,
+        start,
         timeout=min(float(timeout), COLLECTIVE_TIMEOUT),
         deadline=float(timeout),
     )
@@ -412,130 +347,52 @@ def run_md(
 
 
 def _md_rank(
-    system: System | None, potential: nn.Module, integ: VelocityVerlet, opts: dict[str, Any]
+    system: System | None,
+    potential: nn.Module,
+    integ: VelocityVerlet,
+    opts: MDOptions,
+    start: dict[str, Any],
 ) -> MDResult:
-    """Every rank: scatter rank 0's system, run, gather the final state on rank 0.
+    """Every rank: :func:`twinshard.atoms.dynamics.run.run_rank` on rank 0's system (velocities
+    drawn at ``start["initial_temperature"]`` when given), its final state as an :class:`MDResult`.
 
-    Collectives: those of ``ShardedSystem.scatter``, of :func:`simulate` (see
-    ``twinshard.atoms.dynamics.driver``), one final ``DistributedPotential.compute`` with
-    stress, two all_gathers (ids, forces) and the final gather.
+    Collectives: those of the rank body (the scatter, :func:`simulate` (see
+    ``twinshard.atoms.dynamics.driver``), one final evaluation with stress, two all_gathers (ids,
+    forces) and the final gather).
     """
-    from twinshard.atoms.dynamics.driver import DistributedEngine, npt_figures
-    from twinshard.atoms.parallel.distributed import DistributedPotential
-    from twinshard.atoms.parallel.storage import scatter_storage
-    from twinshard.comm import primitives as prim
-    from twinshard.runtime import agree_step, require_world
 
-    world = require_world("twinshard.atoms.run_md")
-    rank = world.rank
-    potential = potential.to(world.device)  # where it runs; its provenance is read there too
-    # [start step, bath heat so far, the thermostat's variables (their count is a setting)]
-    resume = torch.zeros(2 + len(dynamic_values(integ)), dtype=torch.float64, device=world.device)
-    mine: System | None = None
-    notes: list[str] = []  # rank 0: what prepare_outputs removed or cut
-    provenance = changed = None
-    with agree_step("run_md: check the inputs"):
-        if opts["steps"] < 0:
-            raise ValueError(f"steps must be >= 0, got {opts['steps']}")
-        if opts["storage"] not in ("halo", "graph"):
-            raise ValueError(f"storage must be 'halo' or 'graph', got {opts['storage']!r}")
-        if rank == 0:  # it holds the checkpoint; this step raises its errors on every rank
-            provenance = potential_provenance(potential)  # recorded in the checkpoints it writes
-            if opts["restart"]:
-                state = load_checkpoint(opts["restart"])
-                check_restart(state, integ, repr(opts["restart"]))
-                if system is not None:
-                    check_structure(state, system, repr(opts["restart"]))
-                if state["step"] > opts["steps"]:
-                    raise ValueError(
-                        f"checkpoint {opts['restart']!r} is at step {state['step']} but steps is "
-                        f"{opts['steps']}: steps counts the whole run"
-                    )
-                changed = check_potential(
-                    state,
-                    provenance,
-                    repr(opts["restart"]),
-                    same="potential (class, cutoff, parameters)",
-                    override="allow_changed_potential=True",
-                    allow=opts["allow_changed_potential"],
-                )
-                mine = state["system"].to(dtype=system.dtype if system is not None else torch.float64)
-                integ.load_state(state["integrator"])  # the chain's variables, checked here
-                resume[0], resume[1] = float(state["step"]), float(state["heat"])
-                resume[2:] = torch.tensor(dynamic_values(integ), dtype=torch.float64)
-            else:
-                assert system is not None
-                mine = system.clone()
-                if opts["initial_temperature"] is not None:
-                    mine.velocities = maxwell_boltzmann(
-                        mine.masses, mine.ids, float(opts["initial_temperature"]), seed=opts["seed"]
-                    )
-            names = ("checkpoint=", "trajectory=", "thermo=")
-            paths = (opts["checkpoint"], opts["trajectory"], opts["thermo"])
-            notes = prepare_outputs(int(resume[0]), *paths, names=names)  # errors reach every rank
-    if changed:
-        print(f"twinshard: {changed}", file=sys.stderr, flush=True)
-    resume = prim.broadcast(resume, 0, None, op="md_setup")
-    start_step, heat0 = int(resume[0]), float(resume[1])
-    load_dynamic_values(integ, resume[2:].tolist())  # every rank's chain starts from rank 0's
-    sharded = scatter_storage(
-        opts["storage"],
-        mine,
-        0,
-        cutoff=float(potential.cutoff),
-        skin=opts["skin"],
-        partition=opts["partition"],
-        balance=opts["balance"],
-    )
-    owned0 = sharded.counts()
-    from twinshard.atoms.parallel.plain_inputs import potential_mode
+    def load() -> System:  # rank 0
+        assert system is not None
+        mine = system.clone()
+        if start["initial_temperature"] is not None:
+            mine.velocities = maxwell_boltzmann(
+                mine.masses, mine.ids, float(start["initial_temperature"]), seed=start["seed"]
+            )
+        return mine
 
-    dp = DistributedPotential(potential, mode=potential_mode(potential))
-    engine = DistributedEngine(sharded, dp)
-    out = simulate(
-        engine,
-        integ,
-        opts["steps"],
-        thermo_every=opts["thermo_every"],
-        thermo_path=opts["thermo"],
-        trajectory=opts["trajectory"],
-        trajectory_every=opts["trajectory_every"],
-        progress=opts["progress"] and rank == 0,
-        start_step=start_step,
-        heat=heat0,
-        checkpoint=opts["checkpoint"],
-        checkpoint_every=opts["checkpoint_every"],
-        check_files=False,  # done above, inside the fail-together step
-        max_temperature=opts["max_temperature"],
-        max_force=opts["max_force"],
-        provenance=provenance,
-    )
-    fin = dp.compute(sharded, compute_stress=True)
-    counts = sharded.counts()
-    ids = prim.all_gather(sharded.ids.contiguous(), 0, None, counts, op="run_md")
-    forces = prim.all_gather(fin.forces.contiguous(), 0, None, counts, op="run_md")
-    final = sharded.gather(0)
+    run = run_rank(opts, integ, potential, load, named=system is not None, spelling=PYTHON)
+    sharded, fin, out = run.sharded, run.final_results, run.out
     return MDResult(
-        system=final,
+        system=run.final,
         thermo=out["thermo"],
         energy=float(fin.energy),
-        forces=forces[torch.argsort(ids)] if rank == 0 else None,
+        forces=run.final_forces if sharded.rank == 0 else None,
         stress=fin.stress,
         virial=fin.virial,
-        ranks=world.size,
+        ranks=sharded.nranks,
         migrations=int(sharded.migrations),
-        steps=opts["steps"],
-        start_step=start_step,
+        steps=opts.steps,
+        start_step=run.start_step,
         seconds=out["seconds"],
         info={
-            "file_repairs": notes,
-            "potential_notice": changed,
+            "file_repairs": run.notes,
+            "potential_notice": run.notice,
             **npt_figures(out["thermo"]),
-            "owned_atoms_per_rank_start": owned0,
-            "owned_atoms_per_rank": counts,
+            "owned_atoms_per_rank_start": run.owned_start,
+            "owned_atoms_per_rank": sharded.counts(),
             "rebalances": int(getattr(sharded, "rebalances", 0)),
             "rank_grid": _grid_of(sharded),
-            **{k: opts[k] if opts[k] < float("inf") else None for k in ("max_temperature", "max_force")},
+            **{k: v if v < float("inf") else None for k, v in run.bounds.items()},
         },
     )
 

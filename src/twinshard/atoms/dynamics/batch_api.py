@@ -147,10 +147,8 @@ def _batch_rank(
 ) -> list[Any]:
     """Every rank: set up (rank 0 reads checkpoints and checks the files), run, evaluate the final
     states once more (energies, forces, stresses), one MDResult per system (systems on rank 0)."""
-    from twinshard.atoms.dynamics.api import MDResult
-    from twinshard.atoms.dynamics.driver import npt_figures
-    from twinshard.atoms.parallel.distributed import DistributedPotential
-    from twinshard.atoms.parallel.graph_storage import GraphSharded
+    from twinshard.atoms.dynamics.run import MDResult, npt_figures
+    from twinshard.atoms.parallel.evaluate import place
     from twinshard.comm import primitives as prim
     from twinshard.runtime import agree_step, require_world
 
@@ -234,8 +232,8 @@ def _batch_rank(
         max_force=opts["max_force"],
     )
     # the final states, evaluated once more as one batch: energies, forces, virials, stresses
-    g = GraphSharded.scatter(out["systems"], 0, cutoff=float(potential.cutoff), skin=float(opts["skin"]))
-    fin = DistributedPotential(potential, mode="dispatch").compute(g, compute_stress=True)
+    g, dp = place(out["systems"], potential, storage="graph", skin=float(opts["skin"]))
+    fin = dp.compute(g, compute_stress=True)
     forces = g.gather_rows(fin.forces, 0)
     energy = fin.energy.reshape(-1).tolist()
     virial = fin.virial.reshape(-1, 3, 3)

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from twinshard.atoms.data.system import System
-from twinshard.atoms.dynamics.integrators import npt_integrator
-from twinshard.atoms.dynamics.md import Langevin, NoseHooverChain, VelocityVerlet, maxwell_boltzmann
+from twinshard.atoms.dynamics.ensembles import integrator_for
+from twinshard.atoms.dynamics.md import VelocityVerlet, maxwell_boltzmann
 from twinshard.atoms.dynamics.sanity import MAX_FORCE, MAX_TEMPERATURE
 from twinshard.atoms.potentials import make_potential
 
@@ -215,29 +215,21 @@ def _make_integrator(cfg: MDConfig) -> VelocityVerlet:
         raise ValueError(
             f"--balance is a threshold on max/mean owned atoms, >= 1 (e.g. 1.1); got {cfg.balance}"
         )
-    if cfg.pressure is not None:
-        return npt_integrator(
-            cfg.thermostat,
-            cfg.barostat,
-            cfg.dt,
-            cfg.temperature,
-            cfg.pressure,
-            cfg.tdamp,
-            cfg.pdamp,
-            cfg.chain,
-            cfg.pchain,
-            coupling=cfg.coupling,
-            compressibility=cfg.compressibility,
-            friction=cfg.friction,
-            seed=cfg.seed,
-        )
-    if cfg.thermostat == "langevin":
-        return Langevin(cfg.dt, cfg.temperature, cfg.friction, seed=cfg.seed)
-    if cfg.thermostat == "nose-hoover":
-        return NoseHooverChain(cfg.dt, cfg.temperature, cfg.tdamp, cfg.chain)
-    if cfg.thermostat in ("none", "nve"):
-        return VelocityVerlet(cfg.dt)
-    raise ValueError(f"unknown thermostat {cfg.thermostat!r}; choose 'none', 'langevin' or 'nose-hoover'")
+    return integrator_for(
+        cfg.thermostat,
+        cfg.dt,
+        cfg.temperature,
+        cfg.friction,
+        cfg.seed,
+        cfg.tdamp,
+        cfg.chain,
+        cfg.pressure,
+        cfg.barostat,
+        cfg.pdamp,
+        cfg.pchain,
+        cfg.coupling,
+        cfg.compressibility,
+    )
 
 
 def ghost_shell_estimate(

@@ -41,8 +41,6 @@ __all__ = [
     "Langevin",
     "NoseHooverChain",
     "VelocityVerlet",
-    "BAROSTATS",
-    "npt_integrator",
     "kinetic_energy",
     "maxwell_boltzmann",
     "kinetic_dof",
@@ -650,61 +648,3 @@ class IsotropicMTK(NoseHooverChain):
                     f"expected {want[name]}): it was not written by this integrator"
                 )
             setattr(self, name, values)
-
-
-BAROSTATS = ("mtk", "scr")  # isotropic MTK; stochastic cell rescaling (iso, aniso, tri)
-
-
-def npt_integrator(
-    thermostat: str,
-    barostat: str,
-    dt: float,
-    temperature: float,
-    pressure: float,
-    tdamp: float | None = None,
-    pdamp: float | None = None,
-    chain: int = 3,
-    pchain: int = 3,
-    *,
-    coupling: str = "iso",
-    compressibility: float = 4.5e-5,
-    friction: float = 0.01,
-    seed: int = 0,
-) -> VelocityVerlet:
-    """The integrator of ``--pressure P --barostat B`` (the CLI's and ``run_md``'s). MTK couples the
-    cell to Nose-Hoover chains, so it needs ``thermostat="nose-hoover"`` (the chain is part of it)
-    and ``coupling="iso"``; stochastic cell rescaling (``scr``,
-    :class:`~twinshard.atoms.dynamics.scr.StochasticCellRescaling`) works with any thermostat and
-    couples ``iso``, ``aniso`` or ``tri``."""
-    if barostat not in BAROSTATS:
-        raise ValueError(
-            f"barostat must be one of {BAROSTATS} (isotropic Martyna-Tobias-Klein, stochastic cell "
-            f"rescaling), got {barostat!r}"
-        )
-    if barostat == "scr":
-        from twinshard.atoms.dynamics.scr import StochasticCellRescaling
-
-        return StochasticCellRescaling(
-            dt,
-            temperature,
-            pressure,
-            thermostat=thermostat,
-            pdamp=pdamp,
-            compressibility=compressibility,
-            coupling=coupling,
-            friction=friction,
-            tdamp=tdamp,
-            chain=chain,
-            seed=seed,
-        )
-    if coupling != "iso":
-        raise ValueError(
-            f"--barostat mtk couples isotropically; for --coupling {coupling} use --barostat scr"
-        )
-    if thermostat != "nose-hoover":
-        raise ValueError(
-            f"--barostat mtk thermostats the particles with its own Nose-Hoover chain: give "
-            f"--thermostat nose-hoover with --pressure (got {thermostat!r}; for Langevin or NVE "
-            "use --barostat scr)"
-        )
-    return IsotropicMTK(dt, temperature, pressure, tdamp, pdamp, chain, pchain)

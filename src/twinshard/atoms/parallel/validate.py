@@ -204,9 +204,9 @@ def validate_rank(cfg: ValidateConfig, species: list[int]) -> dict[str, Any]:
     """On every rank: the distributed evaluation, traced; returns this rank's owned results."""
     import torch.distributed as dist
 
-    from twinshard.atoms.parallel.distributed import DistributedPotential
+    from twinshard.atoms.parallel.evaluate import place
     from twinshard.atoms.parallel.sharded import ShardedSystem
-    from twinshard.atoms.parallel.storage import STORAGES, scatter_storage
+    from twinshard.atoms.parallel.storage import STORAGES
 
     if cfg.storage not in STORAGES:
         raise ValueError(f"validate: --storage is one of {STORAGES}, got {cfg.storage!r}")
@@ -214,7 +214,7 @@ def validate_rank(cfg: ValidateConfig, species: list[int]) -> dict[str, Any]:
     system = load_system(cfg, species) if dist.get_rank() == 0 else None
     holder = [0]
     pot, traced = with_trace(model, _keep_dist(holder))
-    store: Any = scatter_storage(cfg.storage, system, cutoff=float(model.cutoff), skin=cfg.skin)
+    store, dp = place(system, pot, storage=cfg.storage, skin=cfg.skin, mode="dispatch")
     if isinstance(
         store, ShardedSystem
     ):  # graph storage's gathers index other ranks' rows: compared by outputs only
@@ -222,7 +222,7 @@ def validate_rank(cfg: ValidateConfig, species: list[int]) -> dict[str, Any]:
         traced.row_ids = torch.cat([store.ids, store.plan.halo_ids.to(store.ids.device)])
     holder[0] = store.n_owned
     with cfg.setup() if cfg.setup is not None else contextlib.nullcontext():
-        res = DistributedPotential(pot, mode="dispatch").compute(store)
+        res = dp.compute(store)
     return {
         "ids": store.ids,
         "energy": res.energy,
