@@ -1607,7 +1607,7 @@ MUTATIONS: list[Mutation] = [
         "md_rank_start_step_not_broadcast",
         "unbroadcast state",
         "atoms/dynamics/run.py",
-        "    resume = prim.broadcast(resume, 0, None, op=\"md_setup\")\n",
+        '    resume = prim.broadcast(resume, 0, None, op="md_setup")\n',
         "    resume = resume if rank == 0 else resume * 0\n",
         ("tests/atoms/test_restart.py",),
     ),

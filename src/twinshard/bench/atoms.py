@@ -51,7 +51,13 @@ import tempfile
 from typing import Any
 
 from twinshard.atoms.dynamics.driver import MDConfig, md_rank
-from twinshard.bench.atoms_eval import _ranks, bench_system, mace_species, run_evaluation, write_structure
+from twinshard.bench.atoms_eval import (
+    bench_system,
+    mace_species,
+    parse_ranks,
+    run_evaluation,
+    write_structure,
+)
 from twinshard.runtime import get_world, in_torchrun, reports, run_ranks
 
 __all__ = ["add_parser", "plot", "run"]
@@ -112,7 +118,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every P (spawning local ranks through the shared pool) and print the JSON line."""
-    ranks = _ranks(args.ranks)
+    ranks = parse_ranks(args.ranks)
     if getattr(args, "atoms", None) is None:
         args.atoms = DEFAULT_ATOMS[args.potential]
     if getattr(args, "model", None) is not None and args.potential != "mace":

@@ -23,7 +23,7 @@ def warmups(potential: str) -> int:
     return 3 if potential == "mace" else 1
 
 
-def _ranks(text: str) -> list[int]:
+def parse_ranks(text: str) -> list[int]:
     try:
         ranks = [int(v) for v in str(text).split(",") if v.strip()]
     except ValueError:
@@ -96,7 +96,7 @@ def _eval_system(opts: dict[str, Any], nranks: int, pot: Any) -> Any:
     return bench_system(opts, nranks, getattr(pot, "species", None) if opts["potential"] == "mace" else None)
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
     import statistics
 
     return float(statistics.median(xs)) if xs else float("nan")
@@ -139,7 +139,7 @@ def serial_eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
                 lambda v=verlet, a=fast: evaluate_one(v, a), system.positions.device
             )
         out["paths"][path] = {
-            "seconds": _median(times),
+            "seconds": median(times),
             "seconds_all": times,
             "neighbor_list_seconds": verlet.build_seconds,
             "pairs_listed": verlet.edges.n_edges,
@@ -193,7 +193,7 @@ def eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
         res, peak = peak_memory_during(lambda: dp.compute(sharded), device)
     stats = torch.tensor(
         [
-            _median(times),
+            median(times),
             float(peak),
             float(build_peak),
             float(rss.peak_bytes),
@@ -201,7 +201,7 @@ def eval_rank(opts: dict[str, Any]) -> dict[str, Any]:
             float(sharded.n_owned),
             nl_seconds,
         ]
-        + [_median([p.get(k, float("nan")) for p in parts]) for k in _PARTS],
+        + [median([p.get(k, float("nan")) for p in parts]) for k in _PARTS],
         dtype=torch.float64,
         device=device,
     )
@@ -258,7 +258,7 @@ def run_parity(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
 
 def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
     """The evaluation benchmark: serial (analytic and autograd, back to back) and every P."""
-    ranks = _ranks(args.ranks)
+    ranks = parse_ranks(args.ranks)
     base = {
         "atoms": args.atoms,
         "weak": bool(args.weak),

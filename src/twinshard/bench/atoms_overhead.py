@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from twinshard.bench.atoms_eval import _median, _ranks, bench_system, mace_model, run_parity, warmups
+from twinshard.bench.atoms_eval import bench_system, mace_model, median, parse_ranks, run_parity, warmups
 from twinshard.runtime import COLLECTIVE_TIMEOUT, shared_pool
 
 __all__ = ["overhead_rank", "reference_rank", "run_overhead"]
@@ -147,7 +147,7 @@ def overhead_rank(opts: dict[str, Any]) -> dict[str, Any]:
             cpu[k].append(time.process_time() - c0)
     row = [float(sharded.n_halo), float(sharded.n_owned)]
     for k in names:
-        row += [_median(wall[k]), _median(cpu[k]), float(peaks[k]), min(wall[k], default=0.0)]
+        row += [median(wall[k]), median(cpu[k]), float(peaks[k]), min(wall[k], default=0.0)]
         row += [min(cpu[k], default=0.0)]
     stats = prim.all_gather(
         torch.tensor([row], dtype=torch.float64, device=device), 0, sharded.group, op="bench"
@@ -215,7 +215,7 @@ def check_agreement(run: dict[str, Any], ref: dict[str, Any]) -> None:
 
 def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
     """Every P of ``--ranks`` (local ranks through the shared pool); the JSON object."""
-    ranks = _ranks(args.ranks)
+    ranks = parse_ranks(args.ranks)
     opts = {
         "potential": args.potential,
         "model": getattr(args, "model", None),

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from twinshard.shard.shard_tensor import ShardTensor, _leaves, from_local
+from twinshard.shard.shard_tensor import ShardTensor, from_local, leaves
 
 __all__ = ["REGISTRY", "Handler", "IndexCall", "Registry", "parse_index_call", "register"]
 
@@ -58,7 +58,7 @@ class Registry:
     def match(self, func: Any, args: tuple, kwargs: dict) -> Handler | None:
         # rows that are not atoms (a row-wise view [n * a, b], ShardSpec.row_block > 1): no handler
         # applies; the default path raises for an op over the atom dimension
-        for a in _leaves((args, kwargs)):
+        for a in leaves((args, kwargs)):
             if isinstance(a, ShardTensor) and a._spec.row_block != 1:
                 return None
         for h in self._handlers:

@@ -91,7 +91,7 @@ def _calling(name: str) -> Iterator[None]:
         _tls.fn = prev
 
 
-def _fn_name(func: Any) -> str:
+def fn_name(func: Any) -> str:
     name = getattr(func, "__name__", repr(func))
     owner = getattr(func, "__qualname__", name)
     if owner.startswith("TensorBase.") or owner.startswith("Tensor."):
@@ -194,7 +194,7 @@ class ShardTensor(torch.Tensor):
         from twinshard.shard.dispatch import REGISTRY
 
         handler = REGISTRY.match(func, args, kwargs)
-        with _calling(_fn_name(func)):
+        with _calling(fn_name(func)):
             try:
                 if handler is not None:
                     return handler.run(func, args, kwargs)
@@ -217,7 +217,7 @@ class ShardTensor(torch.Tensor):
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     """``ShardTensor.__torch_dispatch__``: the op on the local rows, then the output's spec."""
-    sts = [a for a in _leaves((args, kwargs)) if isinstance(a, ShardTensor)]
+    sts = [a for a in leaves((args, kwargs)) if isinstance(a, ShardTensor)]
     if not in_backward():
         if func in _small.ONE_ATOM_CONTRACTIONS:  # a block of one atom: dot over its own row
             one = _small.one_atom_contraction(func, args, kwargs)
@@ -265,15 +265,15 @@ def _unwrap(t: Any) -> Any:
 # Every op on a ShardTensor flattens its arguments (twice with the registry's match): pytree's
 # generic flatten costs ~0.1 ms per call, a fifth of a small model's evaluation; op arguments are
 # nested lists, tuples and dicts, walked here directly.
-def _leaves(tree: Any, out: list | None = None) -> list:
+def leaves(tree: Any, out: list | None = None) -> list:
     """The leaves of nested lists, tuples and dicts, in order."""
     out = [] if out is None else out
     if isinstance(tree, (list, tuple)):
         for t in tree:
-            _leaves(t, out)
+            leaves(t, out)
     elif isinstance(tree, dict):
         for t in tree.values():
-            _leaves(t, out)
+            leaves(t, out)
     else:
         out.append(tree)
     return out
@@ -359,7 +359,7 @@ def _combine(func: Any, args: tuple, ref: ShardTensor) -> HaloState:
     """Halo state of a row-wise op's output: FRESH iff every per-atom input is FRESH; a plain
     input with the atom rows (pointwise ops) has unknown halo rows, so it makes the result STALE."""
     n = ref.shape[0]
-    flat = _leaves(args)
+    flat = leaves(args)
     if func in _FRESH_ALLOC:
         return HaloState.FRESH
     if func in _STALE_ALLOC:

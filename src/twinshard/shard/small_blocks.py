@@ -38,7 +38,7 @@ import torch
 
 from twinshard.runtime.world import no_message
 from twinshard.shard.placements import ShardSpec
-from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, _leaves, in_backward
+from twinshard.shard.shard_tensor import ShardTensor, UnhandledAtomOp, in_backward, leaves
 
 __all__ = [
     "AtomScalar",
@@ -136,7 +136,7 @@ class AtomScalar(torch.Tensor):
 
 def _scalar_dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     """``AtomScalar.__torch_dispatch__`` (see the class docstring)."""
-    flat = _leaves((args, kwargs))
+    flat = leaves((args, kwargs))
     mine = [t for t in flat if isinstance(t, AtomScalar)]
     spec = mine[0]._spec
     others = [t for t in flat if isinstance(t, ShardTensor)]

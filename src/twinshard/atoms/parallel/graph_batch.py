@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from twinshard.atoms.data.system import System
 from twinshard.atoms.parallel.plain_inputs import SYSTEM_VALUES
-from twinshard.atoms.parallel.sharded import _as_system, _check_ids
+from twinshard.atoms.parallel.sharded import check_ids, source_system
 from twinshard.comm import primitives as prim
 
 __all__ = [
@@ -44,14 +44,14 @@ def as_batch(source: Any, dtype: torch.dtype | None) -> list[System]:
     items = list(source) if isinstance(source, (list, tuple)) else [source]
     if not items:
         raise ValueError("graph storage: an empty batch (give a System or a non-empty list of them)")
-    systems = [_as_system(s, dtype) for s in items]
+    systems = [source_system(s, dtype) for s in items]
     dtypes = {s.dtype for s in systems}
     if len(dtypes) != 1:
         raise ValueError(
             f"graph storage: the systems of a batch have different dtypes {sorted(map(str, dtypes))}"
         )
     for s in systems:
-        _check_ids(s.ids)
+        check_ids(s.ids)
     return systems
 
 

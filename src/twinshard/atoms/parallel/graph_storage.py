@@ -78,8 +78,8 @@ from twinshard.atoms.parallel.graph_batch import (
     fingerprint,
     split_systems,
 )
-from twinshard.atoms.parallel.plain_inputs import _call, system_values
-from twinshard.atoms.parallel.sharded import _a2a
+from twinshard.atoms.parallel.plain_inputs import call_plain_model, system_values
+from twinshard.atoms.parallel.sharded import all_to_all_rows
 from twinshard.atoms.potentials.base import Results
 from twinshard.comm import primitives as prim
 from twinshard.runtime import agree_step, require_world
@@ -239,7 +239,7 @@ class GraphSharded:
             fields = {}
             for k, (dt, tail) in header["schema"].items():
                 t = whole[k] if me == src else torch.zeros((0,) + tail, dtype=dt, device=dev)
-                fields[k] = _a2a(t, send, recv, group, "scatter")
+                fields[k] = all_to_all_rows(t, send, recv, group, "scatter")
         for k in FIELDS:
             setattr(self, k, fields[k])
         starts = torch.tensor([0] + self.sizes, dtype=torch.int64).cumsum(0)
@@ -476,7 +476,7 @@ class GraphSharded:
         send = [0] * self.nranks
         send[dst] = int(t.shape[0])
         recv = list(self.counts_) if self.rank == dst else [0] * self.nranks
-        out = _a2a(t.detach(), send, recv, self.group, "gather")
+        out = all_to_all_rows(t.detach(), send, recv, self.group, "gather")
         return out if self.rank == dst else None
 
     def gather_systems(self, dst: int = 0) -> list[System] | None:
@@ -566,7 +566,9 @@ def graph_energies(dp: Any, g: GraphSharded, positions: torch.Tensor | None = No
     Placements: in owned rows / replicated parameters; out owned rows. Collectives: the model's
     gathers (all-to-alls) and per-system reduce (all-reduce), their adjoints in backward."""
     _check(dp, g)
-    out = _call(dp, g, graph_inputs(g, positions, dp.cutoff), compute_forces=False, compute_stress=False)
+    out = call_plain_model(
+        dp, g, graph_inputs(g, positions, dp.cutoff), compute_forces=False, compute_stress=False
+    )
     return to_local(out["node_energy"])
 
 
@@ -586,7 +588,7 @@ def graph_compute(
     adjoints; the displacement's gradient one all-reduce). Memory per rank: the autograd graph of the owned rows and edges."""
     _check(dp, g)
     x = g.positions.detach().requires_grad_(True)
-    out = _call(
+    out = call_plain_model(
         dp,
         g,
         graph_inputs(g, x, dp.cutoff),

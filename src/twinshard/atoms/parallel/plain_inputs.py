@@ -232,7 +232,7 @@ def block_inputs(
     }
 
 
-def _call(dp: Any, sharded: ShardedSystem, data: dict, **flags: Any) -> dict:
+def call_plain_model(dp: Any, sharded: ShardedSystem, data: dict, **flags: Any) -> dict:
     named = list(dp.module.named_parameters())
     synced = sync_params([p for _, p in named], sharded.group)
     with lazy_halo():  # scatters leave the halo STALE: one exchange per layer, as a refresh hook
@@ -271,7 +271,7 @@ def _owned(t: torch.Tensor, n: int) -> torch.Tensor:
 def dispatch_energies(dp: Any, sharded: ShardedSystem, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Collective: owned per-atom energies ``[n_owned]`` of a plain model (differentiable)."""
     data = block_inputs(sharded, positions, cutoff=dp.cutoff)
-    out = _call(dp, sharded, data, compute_forces=False, compute_stress=False)
+    out = call_plain_model(dp, sharded, data, compute_forces=False, compute_stress=False)
     return _owned(out["node_energy"], sharded.n_owned)
 
 
@@ -280,7 +280,9 @@ def dispatch_compute(dp: Any, sharded: ShardedSystem, compute_stress: bool, crea
     forces and stress; energy, virial and stress come back replicated from the dispatch."""
     x = sharded.positions.detach().requires_grad_(True)
     data = block_inputs(sharded, x, cutoff=dp.cutoff)
-    out = _call(dp, sharded, data, compute_forces=True, compute_stress=compute_stress, training=create_graph)
+    out = call_plain_model(
+        dp, sharded, data, compute_forces=True, compute_stress=compute_stress, training=create_graph
+    )
     n = sharded.n_owned
     energy = to_local(out["energy"]).sum()
     per_atom, forces = _owned(out["node_energy"], n), _owned(out["forces"], n)

@@ -59,7 +59,7 @@ __all__ = ["ShardedSystem"]
 _CORE = ("positions", "velocities", "masses", "numbers", "ids")
 
 
-def _as_system(source: Any, dtype: torch.dtype | None) -> System:
+def source_system(source: Any, dtype: torch.dtype | None) -> System:
     """The source rank's input as a System (``atoms.data.io.as_system``, the one input path)."""
     system = as_system(source, dtype, what="the source rank (the other ranks pass None)")
     system.validate()
@@ -179,8 +179,8 @@ class ShardedSystem:
         payload = b""
         with agree_step("scatter: read, validate and partition the system", group):
             if me == src:
-                system = _as_system(source, dtype)
-                _check_ids(system.ids)
+                system = source_system(source, dtype)
+                check_ids(system.ids)
                 part = _make_partition(system, partition, nranks, cutoff + skin, grid, self.balance)
                 schema = [(k, getattr(system, k).dtype, tuple(getattr(system, k).shape[1:])) for k in _CORE]
                 schema += [
@@ -229,7 +229,7 @@ class ShardedSystem:
         send = counts.tolist() if me == src else [0] * nranks
         recv = [0] * nranks
         recv[src] = int(counts[me])
-        self._set_fields({n: _a2a(fields[n], send, recv, group, "scatter") for n in fields})
+        self._set_fields({n: all_to_all_rows(fields[n], send, recv, group, "scatter") for n in fields})
         self._build()
         return self
 
@@ -322,7 +322,7 @@ class ShardedSystem:
         send = [0] * self.nranks
         send[dst] = self.n_owned
         recv = counts if self.rank == dst else [0] * self.nranks
-        got = {n: _a2a(t, send, recv, self.group, "gather") for n, t in self._fields().items()}
+        got = {n: all_to_all_rows(t, send, recv, self.group, "gather") for n, t in self._fields().items()}
         return self._system_from(got) if self.rank == dst else None
 
     def gather_all(self) -> System:
@@ -473,7 +473,9 @@ class ShardedSystem:
         if int(moved[0]) == 0:
             return
         s, r = send.tolist(), recv.tolist()
-        self._set_fields({n: _a2a(t[order], s, r, self.group, "migrate") for n, t in self._fields().items()})
+        self._set_fields(
+            {n: all_to_all_rows(t[order], s, r, self.group, "migrate") for n, t in self._fields().items()}
+        )
 
     def _build(self) -> None:
         part = self.partition
@@ -609,7 +611,7 @@ def owner_keeps(id_owned: torch.Tensor, id_halo: torch.Tensor, rel_shift: torch.
 _MAX_ID = 2**32 - 1  # ids key the counter-based RNG (Langevin noise, velocities): 32-bit words
 
 
-def _check_ids(ids: torch.Tensor) -> None:
+def check_ids(ids: torch.Tensor) -> None:
     """Atom ids are unique integers in [0, 2**32) (checked where the system enters, on the source)."""
     if not ids.numel():
         return
@@ -644,7 +646,7 @@ def _make_partition(
     raise ValueError(f"unknown partition {kind!r}; choose 'spatial' or 'block'")
 
 
-def _a2a(
+def all_to_all_rows(
     t: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None, op: str
 ) -> torch.Tensor:
     """all_to_all of rows; bool travels as uint8 (gloo has no bool)."""

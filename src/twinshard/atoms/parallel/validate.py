@@ -48,9 +48,9 @@ class ValidateConfig:
 
 
 def _name(func: Any) -> str:
-    from twinshard.shard.shard_tensor import _fn_name
+    from twinshard.shard.shard_tensor import fn_name
 
-    return _fn_name(func)
+    return fn_name(func)
 
 
 class _Trace(TorchFunctionMode):
