@@ -13,7 +13,7 @@ import torch
 from twinshard.atoms import run_md
 from twinshard.atoms.data import structures
 from twinshard.atoms.data.system import System
-from twinshard.atoms.dynamics.api import _integrator
+from twinshard.atoms.dynamics.ensembles import integrator_for
 from twinshard.atoms.dynamics.md import SerialEngine, ThermoLog, load_checkpoint, maxwell_boltzmann, simulate
 from twinshard.atoms.potentials.mpnn_plain import PlainMessagePassing
 from twinshard.testing import assert_parity
@@ -47,7 +47,7 @@ def make_batch():
 
 
 def integrator(i):
-    return _integrator(
+    return integrator_for(
         KINDS[i],
         4.0,
         TEMPS[i],

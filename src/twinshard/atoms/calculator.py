@@ -35,10 +35,9 @@ from ase.calculators.calculator import Calculator, CalculatorError, all_changes
 from torch import nn
 
 from twinshard.atoms.data.io import as_system
-from twinshard.atoms.data.system import System
 from twinshard.atoms.dynamics.sanity import nonfinite_rows
+from twinshard.atoms.parallel.evaluate import evaluate
 from twinshard.atoms.parallel.plain_inputs import evaluate_serial
-from twinshard.atoms.potentials.base import Results
 
 __all__ = ["NonFiniteResults", "TwinshardCalculator", "evaluate_distributed"]
 
@@ -64,21 +63,7 @@ def check_finite(energy: float, per_atom: torch.Tensor, forces: torch.Tensor, st
         )
 
 
-def evaluate_distributed(
-    potential: nn.Module,
-    system: System | None,
-    src: int = 0,
-    skin: float = 0.0,
-    group: Any = None,
-    partition: str = "spatial",
-    storage: str = "halo",
-) -> Results:
-    """Collective: :func:`twinshard.atoms.parallel.evaluate.evaluate` (the calculator's name for
-    it): scatter ``system`` (held by ``src``), evaluate, return serial-ordered results replicated
-    on every rank."""
-    from twinshard.atoms.parallel.evaluate import evaluate
-
-    return evaluate(potential, system, src, skin, group, partition, storage)
+evaluate_distributed = evaluate  # the calculator's name for the one distributed evaluation
 
 
 class TwinshardCalculator(Calculator):

@@ -60,21 +60,8 @@ from twinshard.atoms.dynamics.sanity import MAX_FORCE, MAX_TEMPERATURE, bound
 __all__ = ["MDResult", "run_md"]
 
 
-def _integrator(
-    thermostat: str | VelocityVerlet,
-    dt: float,
-    temperature: float,
-    friction: float,
-    seed: int,
-    tdamp: float | None = None,
-    chain: int = 3,
-    pressure: float | None = None,
-    barostat: str = "mtk",
-    pdamp: float | None = None,
-    pchain: int = 3,
-    coupling: str = "iso",
-    compressibility: float = 4.5e-5,
-) -> VelocityVerlet:
+def _integrator(thermostat: str | VelocityVerlet, pressure: float | None = None, **kw: Any) -> VelocityVerlet:
+    """``run_md``'s integrator: one given as an object, or :func:`integrator_for` by name."""
     if isinstance(thermostat, VelocityVerlet):
         if pressure is not None:
             raise ValueError(
@@ -87,21 +74,7 @@ def _integrator(
             "thermostat must be 'none', 'langevin', 'nose-hoover' or an integrator (VelocityVerlet, "
             f"Langevin, NoseHooverChain), got {thermostat!r}"
         )
-    return integrator_for(
-        thermostat,
-        dt,
-        temperature,
-        friction,
-        seed,
-        tdamp,
-        chain,
-        pressure,
-        barostat,
-        pdamp,
-        pchain,
-        coupling,
-        compressibility,
-    )
+    return integrator_for(thermostat, pressure=pressure, **kw)
 
 
 def run_md(
@@ -262,10 +235,7 @@ def run_md(
         if balance is not None or partition != "spatial":
             raise ValueError("a batch runs in graph storage, split by index: no partition= or balance=")
 
-        def one(kind: Any, **kw: Any) -> VelocityVerlet:
-            return _integrator(kind, **kw)
-
-        return run_md_batch(system, potential, opts, one)
+        return run_md_batch(system, potential, opts, _integrator)
     storage = storage or "halo"
     if system is None and restart is None:
         raise ValueError("give a system (System or ase.Atoms), or restart=checkpoint file")
@@ -278,18 +248,18 @@ def run_md(
         potential.check_species(system.numbers.unique().tolist())
     integ = _integrator(
         thermostat,
-        dt,
-        temperature,
-        friction,
-        seed,
-        tdamp,
-        chain,
         pressure,
-        barostat,
-        pdamp,
-        pchain,
-        coupling,
-        compressibility,
+        dt=dt,
+        temperature=temperature,
+        friction=friction,
+        seed=seed,
+        tdamp=tdamp,
+        chain=chain,
+        barostat=barostat,
+        pdamp=pdamp,
+        pchain=pchain,
+        coupling=coupling,
+        compressibility=compressibility,
     )
     if zero_momentum:
         integ.zero_momentum = True  # a setting of the integrator (its state, the checkpoint)

@@ -14,7 +14,7 @@ import torch
 from twinshard.atoms.data.system import System
 from twinshard.atoms.dynamics.ensembles import integrator_for
 from twinshard.atoms.dynamics.md import VelocityVerlet, maxwell_boltzmann
-from twinshard.atoms.dynamics.sanity import MAX_FORCE, MAX_TEMPERATURE
+from twinshard.atoms.dynamics.run import MDOptions
 from twinshard.atoms.potentials import make_potential
 
 __all__ = [
@@ -50,15 +50,16 @@ RESULT_KEYS = (
 
 
 @dataclass
-class MDConfig:
-    """Everything a rank needs (picklable, the same on every rank)."""
+class MDConfig(MDOptions):
+    """Everything a rank needs (picklable, the same on every rank): the run's options
+    (:class:`~twinshard.atoms.dynamics.run.MDOptions`, shared with ``run_md``) and what names the
+    structure, the potential, the ensemble and the figures."""
 
     structure: str | None = None
     atoms: int | None = None
     potential: str = "lj"
     model: str | None = None
     cutoff: float | None = None
-    steps: int = 100
     dt: float = 2.0
     thermostat: str = "none"
     temperature: float = 60.0
@@ -72,29 +73,13 @@ class MDConfig:
     coupling: str = "iso"  # --barostat scr: iso, aniso or tri
     compressibility: float = 4.5e-5  # --barostat scr: beta_T, 1/bar
     seed: int = 0
-    skin: float = 1.0
-    partition: str = "spatial"
-    balance: float | None = None  # rebalance threshold on max/mean owned atoms (spatial, halo)
-    storage: str = "halo"
-    check_serial: bool = False
-    thermo_every: int = 10
-    thermo: str | None = None
-    trajectory: str | None = None
-    trajectory_every: int = 10
-    progress: bool = False
     rattle: float = 0.05
     serial_cache: str | None = None
     epsilon: float | None = None
     sigma: float | None = None
     shift: bool = True
     lj: list[str] | None = None
-    checkpoint: str | None = None
-    checkpoint_every: int = 0
-    restart: str | None = None
-    allow_changed_potential: bool = False
     json_arrays: bool = False
-    max_temperature: float = MAX_TEMPERATURE
-    max_force: float = MAX_FORCE
     zero_momentum: bool = False  # remove the net momentum at the start; 3N - 3 kinetic dof
 
 

@@ -101,8 +101,7 @@ PYTHON = Spelling(
 @dataclass
 class MDOptions:
     """The options of a distributed MD run besides the structure, the potential and the integrator
-    (picklable, the same on every rank). ``twinshard md``'s ``MDConfig`` holds them under the same
-    names (:meth:`of`)."""
+    (picklable, the same on every rank). ``twinshard md``'s ``MDConfig`` extends it."""
 
     steps: int = 100
     skin: float = 1.0
