@@ -1533,8 +1533,8 @@ MUTATIONS: list[Mutation] = [
         "zero_shard_steps_other_grad",
         "wrong shard",
         "optim.py",
-        "self._copy_range((d * per + pos) * self.chunk,",
-        "self._copy_range(((d * per + pos + 1) % mesh.size) * self.chunk,",
+        "self._add_range((d * per + pos) * self.chunk,",
+        "self._add_range(((d * per + pos + 1) % mesh.size) * self.chunk,",
         ("tests/pair/test_dp_cp.py::test_sharded_adamw_matches_serial",),
     ),
     M(
@@ -1585,6 +1585,31 @@ MUTATIONS: list[Mutation] = [
         '            "edge_index": self.edge_index(data["senders"], data["receivers"]),',
         '            "edge_index": torch.stack([data["senders"], data["receivers"]]),',
         ("tests/atoms/test_graph_cost.py::test_mace_routes_once_per_neighbour_list",),
+    ),
+    # -- gradients sharded during backward (ZeRO-2, issue 21 section 4)
+    M(
+        "zero2_hook_wrong_chunk",
+        "wrong shard",
+        "optim.py",
+        "                lo = k * self.chunk\n",
+        "                lo = (k + 1) % self.mesh.size * self.chunk\n",
+        ("tests/pair/test_dp_cp.py::test_zero2_backward_leaves_no_full_gradient",),
+    ),
+    M(
+        "zero2_hook_assigns",
+        "accumulation lost",
+        "optim.py",
+        "self.buffer[at : at + b - a].add_(flat[a:b])",
+        "self.buffer[at : at + b - a].copy_(flat[a:b])",
+        ("tests/pair/test_dp_cp.py::test_zero2_gradient_accumulation",),
+    ),
+    M(
+        "zero2_dp_weight_twice",
+        "double weighting",
+        "optim.py",
+        "        send.mul_(weight)\n",
+        "        send.mul_(weight).mul_(weight)\n",
+        ("tests/pair/test_dp_cp.py::test_sharded_adamw_matches_serial",),
     ),
 ]
 
