@@ -8,8 +8,9 @@ What each test proves:
   loss of each step (the serial batch mean), every parameter gradient of the first step (after the
   dp reduction) and every weight after each AdamW update equal serial (fp64, round-off gate) and
   are identical on every rank of the world.
-- ``test_sharded_adamw_matches_serial`` (2x1x2 B = 3, 1x2x2, 2x1x1, 1x1x1 with the gradients
-  sharded in backward, 2x1x2 B = 3 after it): the same with the AdamW state and gradients sharded
+- ``test_sharded_adamw_matches_serial`` (2x1x2 B = 3, 1x2x2 (the step's reduce-scatter and
+  all-gather in rounds of 37 elements per rank), 2x1x1, 1x1x1 with the gradients sharded in backward, 2x1x2
+  B = 3 after it): the same with the AdamW state and gradients sharded
   over the world (reduce-scatter over dp, chunk step, all-gather); every rank holds only its 1/P
   chunk of the moments.
 - ``test_zero2_backward_leaves_no_full_gradient`` (2x1x2 B = 3, 1x2x2): right after
@@ -96,7 +97,7 @@ def _serial(b, n, steps):
     return out
 
 
-def _rank_dp(shape, b, n, steps, sharded=False, in_backward=True):
+def _rank_dp(shape, b, n, steps, sharded=False, in_backward=True, gather=None):
     from twinshard.optim import ShardedAdamW
     from twinshard.pair.data_parallel import distribute_batch, dp_train_step
     from twinshard.runtime.mesh import make_dp_mesh
@@ -109,7 +110,14 @@ def _rank_dp(shape, b, n, steps, sharded=False, in_backward=True):
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if sharded:
-        opt = ShardedAdamW(params, mesh, keep_grads=True, shard_grads_in_backward=in_backward, **ADAMW)
+        opt = ShardedAdamW(
+            params,
+            mesh,
+            keep_grads=True,
+            shard_grads_in_backward=in_backward,
+            bucket_elements=gather,
+            **ADAMW,
+        )
     else:
         opt = _adamw(params)
     batch = distribute_batch(_batch(b, n), mesh)
@@ -161,22 +169,32 @@ def test_dp_cp_step_matches_serial(case):
     _compare([o[0] for o in out], _serial(b, n, 2), _id(case))
 
 
-SHARDED = [  # (case, gradients sharded in backward (ZeRO-2) or after it)
-    (((2, 1, 2), 3, 5), True),
-    (((1, 2, 2), 2, 6), True),
-    (((2, 1, 1), 2, 6), True),
-    (((1, 1, 1), 2, 6), True),
-    (((2, 1, 2), 3, 5), False),
+SHARDED = [  # (case, gradients sharded in backward (ZeRO-2) or after it, gather_elements)
+    (((2, 1, 2), 3, 5), True, None),
+    (((1, 2, 2), 2, 6), True, 37),  # the parameters gathered in rounds across parameter boundaries
+    (((2, 1, 1), 2, 6), True, None),
+    (((1, 1, 1), 2, 6), True, None),
+    (((2, 1, 2), 3, 5), False, None),
 ]
 
 
-@pytest.mark.parametrize(
-    "case,in_backward", SHARDED, ids=[f"{_id(c)}-{'during' if w else 'after'}" for c, w in SHARDED]
-)
-def test_sharded_adamw_matches_serial(case, in_backward):
+def _sid(c, w, g):
+    return f"{_id(c)}-{'during' if w else 'after'}" + (f"-gather{g}" if g else "")
+
+
+@pytest.mark.parametrize("case,in_backward,gather", SHARDED, ids=[_sid(*c) for c in SHARDED])
+def test_sharded_adamw_matches_serial(case, in_backward, gather):
     shape, b, n = case
     out = run_on_world(
-        _rank_dp, shape[0] * shape[1] * shape[2], shape, b, n, 2, sharded=True, in_backward=in_backward
+        _rank_dp,
+        shape[0] * shape[1] * shape[2],
+        shape,
+        b,
+        n,
+        2,
+        sharded=True,
+        in_backward=in_backward,
+        gather=gather,
     )
     _compare([o[0] for o in out], _serial(b, n, 2), f"zero {_id(case)}")
     for _, _, (held, total, p) in out:
@@ -270,7 +288,7 @@ def _rank_backward_sharded(shape, b, n):
     opt.zero_grad()
     backward()
     left = [k for k, p in model.named_parameters() if p.requires_grad and p.grad is not None]
-    buffer = opt.buffer.clone()
+    buffer = opt.send_buffer()
     # the same backward on the after-backward path: the replica's full gradient, cut independently
     opt.remove_hooks()
     opt.zero_grad()
