@@ -8,11 +8,11 @@ What each test proves:
   loss of each step (the serial batch mean), every parameter gradient of the first step (after the
   dp reduction) and every weight after each AdamW update equal serial (fp64, round-off gate) and
   are identical on every rank of the world.
-- ``test_sharded_adamw_matches_serial`` (2x1x2 B = 3, 1x2x2 (the step's reduce-scatter and
-  all-gather in rounds of 37 elements per rank), 2x1x1, 1x1x1 with the gradients sharded in backward, 2x1x2
-  B = 3 after it): the same with the AdamW state and gradients sharded
-  over the world (reduce-scatter over dp, chunk step, all-gather); every rank holds only its 1/P
-  chunk of the moments.
+- ``test_sharded_adamw_matches_serial`` (2x1x2 B = 3 with the step's reduce-scatter and
+  all-gather in rounds of 37 elements per rank, 1x2x2, 2x1x1, 1x1x1, all with the gradients
+  sharded in backward, and 2x1x2 B = 3 with them sharded after it): the same with the AdamW state
+  and gradients sharded over the world (reduce-scatter over dp, chunk step, all-gather); every
+  rank holds only its 1/P chunk of the moments.
 - ``test_zero2_backward_leaves_no_full_gradient`` (2x1x2 B = 3, 1x2x2): right after
   ``loss.backward()`` every ``p.grad`` is None and the ShardedAdamW's send buffer holds exactly
   this rank's ranges (chunks ``d * rows * cols + pos``) of the replica's full gradient, taken
@@ -170,8 +170,8 @@ def test_dp_cp_step_matches_serial(case):
 
 
 SHARDED = [  # (case, gradients sharded in backward (ZeRO-2) or after it, gather_elements)
-    (((2, 1, 2), 3, 5), True, None),
-    (((1, 2, 2), 2, 6), True, 37),  # the parameters gathered in rounds across parameter boundaries
+    (((2, 1, 2), 3, 5), True, 37),  # the step's collectives in rounds across parameter boundaries
+    (((1, 2, 2), 2, 6), True, None),
     (((2, 1, 1), 2, 6), True, None),
     (((1, 1, 1), 2, 6), True, None),
     (((2, 1, 2), 3, 5), False, None),
