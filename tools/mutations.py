@@ -1533,8 +1533,8 @@ MUTATIONS: list[Mutation] = [
         "zero_shard_steps_other_grad",
         "wrong shard",
         "optim.py",
-        "self._copy_range((d * per + pos) * self.chunk,",
-        "self._copy_range(((d * per + pos + 1) % mesh.size) * self.chunk,",
+        "return [d * per + self.index % per for d in range(self.mesh.dp)]",
+        "return [(d * per + self.index % per + 1) % self.mesh.size for d in range(self.mesh.dp)]",
         ("tests/pair/test_dp_cp.py::test_sharded_adamw_matches_serial",),
     ),
     M(
@@ -1610,6 +1610,31 @@ MUTATIONS: list[Mutation] = [
         '    resume = prim.broadcast(resume, 0, None, op="md_setup")\n',
         "    resume = resume if rank == 0 else resume * 0\n",
         ("tests/atoms/test_restart.py",),
+    ),
+    # -- gradients sharded during backward (ZeRO-2, issue 21 section 4)
+    M(
+        "zero2_hook_wrong_chunk",
+        "wrong shard",
+        "optim.py",
+        "                lo = k * self.chunk\n",
+        "                lo = (k + 1) % self.mesh.size * self.chunk\n",
+        ("tests/pair/test_dp_cp.py::test_zero2_backward_leaves_no_full_gradient",),
+    ),
+    M(
+        "zero2_hook_assigns",
+        "accumulation lost",
+        "optim.py",
+        "piece[at : at + e - a].add_(flat[a:e])",
+        "piece[at : at + e - a].copy_(flat[a:e])",
+        ("tests/pair/test_dp_cp.py::test_zero2_gradient_accumulation",),
+    ),
+    M(
+        "zero2_dp_weight_twice",
+        "double weighting",
+        "optim.py",
+        "            send.mul_(weight)\n",
+        "            send.mul_(weight).mul_(weight)\n",
+        ("tests/pair/test_dp_cp.py::test_sharded_adamw_matches_serial",),
     ),
 ]
 

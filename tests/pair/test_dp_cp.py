@@ -8,9 +8,19 @@ What each test proves:
   loss of each step (the serial batch mean), every parameter gradient of the first step (after the
   dp reduction) and every weight after each AdamW update equal serial (fp64, round-off gate) and
   are identical on every rank of the world.
-- ``test_sharded_adamw_matches_serial`` (2x1x2 B = 3, 1x2x2, 2x1x1, 1x1x1): the same with the AdamW
-  state and gradients sharded over the world (reduce-scatter over dp, chunk step, all-gather);
-  every rank holds only its 1/P chunk of the moments.
+- ``test_sharded_adamw_matches_serial`` (2x1x2 B = 3 with the step's reduce-scatter and
+  all-gather in rounds of 37 elements per rank, 1x2x2, 2x1x1, 1x1x1, all with the gradients
+  sharded in backward, and 2x1x2 B = 3 with them sharded after it): the same with the AdamW state
+  and gradients sharded over the world (reduce-scatter over dp, chunk step, all-gather); every
+  rank holds only its 1/P chunk of the moments.
+- ``test_zero2_backward_leaves_no_full_gradient`` (2x1x2 B = 3, 1x2x2): right after
+  ``loss.backward()`` every ``p.grad`` is None and the ShardedAdamW's send buffer holds exactly
+  this rank's ranges (chunks ``d * rows * cols + pos``) of the replica's full gradient, taken
+  independently (the same backward on the after-backward path, flattened and cut); a second
+  in-backward ShardedAdamW over the same parameters raises.
+- ``test_zero2_gradient_accumulation`` (2x1x2 B = 3, 1x1x1): two backward passes (two dropout
+  seeds) before one step equal one serial backward on the summed loss (gradients via
+  ``keep_grads``, weights after the update).
 - ``test_split_must_agree``: a rank asking for another dp (mesh), a rank passing another batch
   split, a rank holding a batch of another size than its replica, a batch smaller than dp: the
   same error on every rank (no hang, no silent result).
@@ -87,7 +97,7 @@ def _serial(b, n, steps):
     return out
 
 
-def _rank_dp(shape, b, n, steps, sharded=False):
+def _rank_dp(shape, b, n, steps, sharded=False, in_backward=True, gather=None):
     from twinshard.optim import ShardedAdamW
     from twinshard.pair.data_parallel import distribute_batch, dp_train_step
     from twinshard.runtime.mesh import make_dp_mesh
@@ -100,7 +110,14 @@ def _rank_dp(shape, b, n, steps, sharded=False):
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if sharded:
-        opt = ShardedAdamW(params, mesh, keep_grads=True, **ADAMW)
+        opt = ShardedAdamW(
+            params,
+            mesh,
+            keep_grads=True,
+            shard_grads_in_backward=in_backward,
+            bucket_elements=gather,
+            **ADAMW,
+        )
     else:
         opt = _adamw(params)
     batch = distribute_batch(_batch(b, n), mesh)
@@ -152,13 +169,33 @@ def test_dp_cp_step_matches_serial(case):
     _compare([o[0] for o in out], _serial(b, n, 2), _id(case))
 
 
-SHARDED = [((2, 1, 2), 3, 5), ((1, 2, 2), 2, 6), ((2, 1, 1), 2, 6), ((1, 1, 1), 2, 6)]
+SHARDED = [  # (case, gradients sharded in backward (ZeRO-2) or after it, gather_elements)
+    (((2, 1, 2), 3, 5), True, 37),  # the step's collectives in rounds across parameter boundaries
+    (((1, 2, 2), 2, 6), True, None),
+    (((2, 1, 1), 2, 6), True, None),
+    (((1, 1, 1), 2, 6), True, None),
+    (((2, 1, 2), 3, 5), False, None),
+]
 
 
-@pytest.mark.parametrize("case", SHARDED, ids=[_id(c) for c in SHARDED])
-def test_sharded_adamw_matches_serial(case):
+def _sid(c, w, g):
+    return f"{_id(c)}-{'during' if w else 'after'}" + (f"-gather{g}" if g else "")
+
+
+@pytest.mark.parametrize("case,in_backward,gather", SHARDED, ids=[_sid(*c) for c in SHARDED])
+def test_sharded_adamw_matches_serial(case, in_backward, gather):
     shape, b, n = case
-    out = run_on_world(_rank_dp, shape[0] * shape[1] * shape[2], shape, b, n, 2, sharded=True)
+    out = run_on_world(
+        _rank_dp,
+        shape[0] * shape[1] * shape[2],
+        shape,
+        b,
+        n,
+        2,
+        sharded=True,
+        in_backward=in_backward,
+        gather=gather,
+    )
     _compare([o[0] for o in out], _serial(b, n, 2), f"zero {_id(case)}")
     for _, _, (held, total, p) in out:
         assert held == -(-total // p), f"a rank holds {held} moments of {total} on {p} ranks"
@@ -211,3 +248,119 @@ def test_split_must_agree(how):
     assert len({m.split(": ", 1)[0] for m in msgs}) == 1 and all("no error" not in m for m in msgs), msgs
     for m in msgs:
         assert __import__("re").search(DISAGREE[how], m), f"{how}: {m}"
+
+
+# -- gradients sharded during backward (ZeRO-2) --------------------------------------------------
+
+
+def _rank_cp_model(mesh):
+    model = CPTrunk(CS, CZ, LAYERS, num_bins=BINS, **KW).double()
+    model.load_state_dict(_build(Trunk).state_dict())
+    for k, p in model.named_parameters():
+        p.requires_grad_(not k.endswith(FROZEN))
+    return model.train()
+
+
+def _rank_backward_sharded(shape, b, n):
+    import torch.distributed as dist
+
+    from twinshard.optim import ShardedAdamW
+    from twinshard.pair.data_parallel import distribute_batch
+    from twinshard.pair.reference.dropout import batch_offset
+    from twinshard.runtime.mesh import make_dp_mesh
+
+    mesh = make_dp_mesh(*shape)
+    model = _rank_cp_model(mesh)
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch = distribute_batch(_batch(b, n), mesh)
+
+    def backward():
+        with mesh.replica(), batch_offset(batch.offset):
+            loss, _ = model(**batch, seed=100)
+            loss.backward()
+
+    opt = ShardedAdamW(params, mesh, **ADAMW)
+    try:
+        ShardedAdamW(params, mesh, **ADAMW)
+        second = "no error"
+    except ValueError as e:
+        second = str(e)
+    opt.zero_grad()
+    backward()
+    left = [k for k, p in model.named_parameters() if p.requires_grad and p.grad is not None]
+    buffer = opt.send_buffer()
+    # the same backward on the after-backward path: the replica's full gradient, cut independently
+    opt.remove_hooks()
+    opt.zero_grad()
+    backward()
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    m = -(-flat.numel() // mesh.size)
+    flat = torch.cat([flat, flat.new_zeros(m * mesh.size - flat.numel())])
+    per = shape[1] * shape[2]
+    pos = dist.get_rank() % per
+    expected = torch.cat([flat[(d * per + pos) * m : (d * per + pos + 1) * m] for d in range(shape[0])])
+    return left, buffer, expected, second, (opt.chunk, m)
+
+
+@pytest.mark.parametrize("case", [((2, 1, 2), 3, 5), ((1, 2, 2), 2, 6)], ids=_id)
+def test_zero2_backward_leaves_no_full_gradient(case):
+    shape, b, n = case
+    out = run_on_world(_rank_backward_sharded, shape[0] * shape[1] * shape[2], shape, b, n)
+    for rank, (left, buffer, expected, second, (chunk, m)) in enumerate(out):
+        assert not left, f"rank {rank}: p.grad still held after backward for {left}"
+        assert chunk == m and buffer.shape == (shape[0] * chunk,), (
+            f"rank {rank}: buffer {tuple(buffer.shape)}"
+        )
+        assert bool(expected.abs().max() > 0), "vacuous: the rank's gradient ranges are zero"
+        assert_parity(
+            buffer,
+            expected,
+            what=f"rank {rank} send buffer vs its ranges of the full gradient",
+            grid=_id(case),
+        )
+        assert "already sharded in backward by another live ShardedAdamW" in second, second
+
+
+def _rank_accumulate(shape, b, n):
+    from twinshard.optim import ShardedAdamW
+    from twinshard.pair.data_parallel import distribute_batch, replica_weight
+    from twinshard.pair.reference.dropout import batch_offset
+    from twinshard.runtime.mesh import make_dp_mesh
+
+    mesh = make_dp_mesh(*shape)
+    model = _rank_cp_model(mesh)
+    opt = ShardedAdamW([p for p in model.parameters() if p.requires_grad], mesh, keep_grads=True, **ADAMW)
+    batch = distribute_batch(_batch(b, n), mesh)
+    opt.zero_grad()
+    for seed in (100, 101):  # two backward passes accumulate before one step
+        with mesh.replica(), batch_offset(batch.offset):
+            loss, _ = model(**batch, seed=seed)
+            loss.backward()
+    opt.reduce_and_step(replica_weight(batch.split, mesh))
+    return _snapshot(model)
+
+
+def _serial_accumulate(b, n):
+    model = _build(Trunk)
+    opt = _adamw([p for p in model.parameters() if p.requires_grad])
+    batch = _batch(b, n)
+    opt.zero_grad()
+    loss = model(**batch, seed=100)[0] + model(**batch, seed=101)[0]
+    loss.backward()
+    opt.step()
+    return _snapshot(model)
+
+
+@pytest.mark.parametrize("case", [((2, 1, 2), 3, 5), ((1, 1, 1), 2, 6)], ids=_id)
+def test_zero2_gradient_accumulation(case):
+    shape, b, n = case
+    out = run_on_world(_rank_accumulate, shape[0] * shape[1] * shape[2], shape, b, n)
+    grads, weights = _serial_accumulate(b, n)
+    what = f"zero2 accumulation {_id(case)}"
+    assert_replicated([o[0] for o in out], f"{what}: grads")
+    assert_replicated([o[1] for o in out], f"{what}: weights")
+    assert set(out[0][0]) == set(grads), f"{what}: gradients of other parameters"
+    for k, g in grads.items():
+        assert_parity(out[0][0][k], g, what=f"{what} param grad {k}", grid=what)
+    for k, w in weights.items():
+        assert_parity(out[0][1][k], w, what=f"{what} weight {k}", grid=what)

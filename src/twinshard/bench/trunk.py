@@ -34,6 +34,10 @@ forward's (``comm_backward_bytes_per_rank`` 0), ``max_abs_error_out`` is the los
 ``max_abs_error_grad_params`` the largest difference of a weight after the update (input
 gradients: null). The pair-bias LayerNorm bias (``attention.proj_z.0.bias``, analytically zero
 gradient, round-off that AdamW would scale up to a full step) is frozen on both sides.
+``--dp K`` splits the batch over K replicas; ``--shard-optimizer`` shards the AdamW state and the
+gradients (``twinshard.optim.ShardedAdamW``), ``--shard-grads during`` (default: each gradient
+taken into the rank's send buffer as backward accumulates it) or ``after`` (the full gradients
+held to the end of backward, then reduce-scattered); the JSON's ``shard_grads`` says which.
 """
 
 from __future__ import annotations
@@ -86,6 +90,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--shard-optimizer",
         action="store_true",
         help="with --train-step: AdamW state and gradients sharded over all ranks (twinshard.optim.ShardedAdamW)",
+    )
+    p.add_argument(
+        "--shard-grads",
+        choices=("during", "after"),
+        default="during",
+        help="with --shard-optimizer: take each gradient into the rank's shard during backward (ZeRO-2, "
+        "p.grad freed as it arrives) or reduce-scatter the full gradients after backward",
     )
     p.add_argument(
         "--check-serial", action="store_true", help="run the serial trunk (or stack) on rank 0 and compare"
@@ -340,7 +351,13 @@ def train_rank(
         return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.05)
 
     if mesh is not None and cfg.get("shard_optimizer", False):
-        opt: Any = ShardedAdamW(cp.parameters(), mesh, lr=1e-3, weight_decay=0.05)
+        opt: Any = ShardedAdamW(
+            cp.parameters(),
+            mesh,
+            lr=1e-3,
+            weight_decay=0.05,
+            shard_grads_in_backward=cfg.get("shard_grads", "during") == "during",
+        )
     else:
         opt = optimizer(cp)
     ledger = CommLedger()
@@ -430,6 +447,7 @@ def summarise(
         "train_step": cfg.get("train_step", False),
         "dp": cfg.get("dp", 1),
         "shard_optimizer": cfg.get("shard_optimizer", False),
+        "shard_grads": cfg.get("shard_grads") if cfg.get("shard_optimizer", False) else None,
         "parameter_bytes": r0.get("parameter_bytes"),
         "check_serial": serial_saved is not None,
         "max_abs_error_out": r0.get("err_out"),
@@ -496,8 +514,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(
             f"--dp must be between 1 and --batch ({cfg['batch']}): each replica takes >= 1 structure"
         )
+    grads = getattr(args, "shard_grads", "during")
+    if grads != "during" and not shard:
+        raise ValueError("--shard-grads applies to --shard-optimizer")
     if cfg["train_step"]:
-        cfg.update(dp=dp, shard_optimizer=shard)
+        cfg.update(dp=dp, shard_optimizer=shard, shard_grads=grads)
     call = (args.tokens, shape, cfg, args.dtype, bool(args.check_serial), args.seed)
     fn = train_rank if cfg["train_step"] else trunk_rank
     option = "--grid" if dp == 1 else "--dp x --grid"
