@@ -291,7 +291,7 @@ class _SyncParams(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         flat = torch.cat([g.reshape(-1) for g in grads])  # unused parameters: zeros (materialised)
-        flat = P.all_reduce(flat, ctx.group, op="sync_grad:backward")
+        flat = P.all_reduce(flat, ctx.group, op="sync_grad:backward", donate=True)  # ours: in place
         return (None, *(p.view_as(g) for p, g in zip(flat.split([g.numel() for g in grads]), grads)))
 
 

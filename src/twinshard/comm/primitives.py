@@ -117,14 +117,21 @@ def _pad0(x: torch.Tensor, m: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((m - x.shape[0],) + tuple(x.shape[1:]))])
 
 
-def all_reduce(x: torch.Tensor, group: Group = None, op: str = "all_reduce") -> torch.Tensor:
-    """Sum of ``x`` over the group (a new tensor, x's dtype, summed in reduce_dtype)."""
+def all_reduce(
+    x: torch.Tensor, group: Group = None, op: str = "all_reduce", donate: bool = False
+) -> torch.Tensor:
+    """Sum of ``x`` over the group (x's dtype, summed in reduce_dtype): a new tensor, or with
+    ``donate`` (the caller owns ``x`` and drops it) ``x`` itself when it is already contiguous in
+    the reduce dtype, summed in place (one buffer fewer at the caller's peak)."""
     group = resolve(group)
     check_payload(op, x)
     n = group_size(group)
     if n == 1:
-        return x.clone()
-    buf = x.to(_audit_collective(op, reduce_dtype(x.dtype), group, "all_reduce")).contiguous().clone()
+        return x if donate else x.clone()
+    wire = _audit_collective(op, reduce_dtype(x.dtype), group, "all_reduce")
+    buf = x.to(wire).contiguous()
+    if not (donate and buf is x):
+        buf = buf.clone() if buf is x else buf  # x.to / contiguous made a copy already otherwise
     dist.all_reduce(buf, group=group)
     b = 2 * (n - 1) * nbytes(buf) // n
     record(op, b, b)
