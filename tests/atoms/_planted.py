@@ -135,8 +135,8 @@ def _npt_virial_local(mp: pytest.MonkeyPatch) -> None:
     prim = distributed.prim
     orig = prim.all_reduce
 
-    def all_reduce(x, group=None, op="all_reduce"):  # noqa: ANN001, ANN202
-        out = orig(x, group, op=op)
+    def all_reduce(x, group=None, op="all_reduce", **kw):  # noqa: ANN001, ANN003, ANN202
+        out = orig(x, group, op=op, **kw)
         if op == "potential" and x.numel() == 10:
             out = torch.cat([out[:1], x[1:]])
         return out

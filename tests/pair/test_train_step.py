@@ -124,8 +124,8 @@ def _rank_train(grid, n, steps, plant=None):
 
 
 def _all_reduce_unless_param_grads(real):
-    def all_reduce(x, group=None, op="all_reduce"):
-        return x.clone() if op == "distogram:param_grads" else real(x, group, op=op)
+    def all_reduce(x, group=None, op="all_reduce", **kw):
+        return x.clone() if op == "distogram:param_grads" else real(x, group, op=op, **kw)
 
     return all_reduce
 
