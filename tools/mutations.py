@@ -1616,8 +1616,8 @@ MUTATIONS: list[Mutation] = [
         "zero2_hook_wrong_chunk",
         "wrong shard",
         "optim.py",
-        "                lo = k * self.chunk\n",
-        "                lo = (k + 1) % self.mesh.size * self.chunk\n",
+        "                d = slot_of.get(t % n)\n",
+        "                d = slot_of.get((t + 1) % n)\n",
         ("tests/pair/test_dp_cp.py::test_zero2_backward_leaves_no_full_gradient",),
     ),
     M(

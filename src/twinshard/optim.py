@@ -1,15 +1,18 @@
 """AdamW with its state and the parameter gradients sharded over the ranks of a mesh (ZeRO-1/2).
 
 :class:`ShardedAdamW` keeps, on each of the ``P = dp x rows x cols`` ranks of a
-``twinshard.runtime.mesh.DPCPMesh``, one contiguous ``1/P`` chunk of the flattened trainable
+``twinshard.runtime.mesh.DPCPMesh``, one ``1/P`` chunk (buckets dealt round-robin, below) of the flattened trainable
 parameters' gradient and AdamW moments (``exp_avg``, ``exp_avg_sq``) instead of all of them;
 the parameters themselves stay replicated (what the CP twins compute with).
 
 Gradients (``shard_grads_in_backward=True``, the default: ZeRO-2 proper). The flat vector,
-padded to ``P * m``, is cut into ``P`` chunks of ``m``; chunk ``k`` belongs to world rank
-``k = d * rows * cols + pos``. The rank at grid position ``pos`` of replica ``d`` sends the chunks
-``{e * rows * cols + pos}_e`` (one per replica, ``dp * m = L dp / P`` elements, its "send
-buffer"). The twins' replicated parameters get their replica's complete gradient from their own
+padded to ``R P b``, is cut into buckets of ``b`` (``bucket_elements``) dealt round-robin: bucket
+``t`` belongs to world rank ``t mod P`` (``k = d * rows * cols + pos``) in its round ``t div P``, so
+rank ``k``'s "chunk" is its ``R`` buckets, ``m = R b ~ L / P`` elements, and every rank holds
+``1/P`` of each layer's gradient (with contiguous chunks the rank owning the last layers filled its
+buffer at the start of backward, where the activations peak). The rank at grid position ``pos`` of
+replica ``d`` sends the chunks of ranks ``{e * rows * cols + pos}_e`` (one per replica, ``dp * m =
+L dp / P`` elements, its "send buffer"). The twins' replicated parameters get their replica's complete gradient from their own
 CP all-reduce inside backward (``comm.sync_params`` / ``sync_grad``: identical on the ranks of one
 replica), and the engine's AccumulateGrad writes ``p.grad``; a ``post_accumulate_grad`` hook on
 every trainable parameter then ADDS the flat ranges of ``p.grad`` that fall in this rank's send
@@ -31,8 +34,9 @@ having sent ``(dp - 1) / (dp rows cols)`` of the vector (with ``dp = 1``: no com
 buffer is its chunk). Each rank steps its chunk with a stock ``torch.optim.AdamW`` over one flat
 parameter (AdamW is elementwise: shard-invariant, the same math as the serial optimizer's), then
 the updated chunks are all-gathered over the world and written straight into the parameters.
-Both collectives run in rounds of ``bucket_elements`` per rank and slot (default ``max(ceil(m /
-P), min(m, BUCKET_MIN))``: at most ``P`` rounds each), so their transients are ~ ``L / P``.
+Both collectives run round by round (one bucket per rank and slot; ``b`` defaults to ``max(min(
+BUCKET_MIN, L / P), L / (ROUNDS P))``: at most ``ROUNDS`` rounds), so their transients are ``P b``
+(<= ``L / P``), and round ``r`` gathers the contiguous flat range of buckets ``r P .. r P + P - 1``.
 
 Why not FSDP2's ``fully_shard``: the twins' parameters are plain replicated tensors whose
 gradients come back complete from each twin's own CP all-reduce inside backward, so FSDP2's
@@ -89,7 +93,8 @@ from twinshard.runtime.mesh import DPCPMesh
 __all__ = ["ShardedAdamW"]
 
 PIECE = 1 << 20  # elements per AdamW piece of a chunk (bounds the update's temporaries)
-BUCKET_MIN = 1 << 16  # the least elements per rank of one round of the step's collectives
+BUCKET_MIN = 1 << 16  # elements of one bucket (unless L / P is smaller)
+ROUNDS = 64  # at most this many rounds per step (larger buckets past L = 64 P BUCKET_MIN)
 
 # parameter -> the ShardedAdamW whose hooks take its gradient in backward (weak both ways)
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -136,21 +141,23 @@ class ShardedAdamW:
         self.mesh, self.keep_grads = mesh, bool(keep_grads)
         self.in_backward = bool(shard_grads_in_backward)
         self.numel = sum(p.numel() for p in self.params)
-        self.chunk = -(-self.numel // mesh.size)  # m = ceil(L / P)
         self.starts = [0]  # each parameter's first flat index
         for p in self.params[:-1]:
             self.starts.append(self.starts[-1] + p.numel())
-        # elements per rank (and slot) per round of the step's reduce-scatter and all-gather
-        default = max(-(-self.chunk // mesh.size), min(self.chunk, BUCKET_MIN))
+        # the flat vector in buckets of b dealt round-robin: bucket t is rank t % P's, in its
+        # round t // P (so every rank holds 1/P of each layer's gradient, not of the layers)
+        default = max(min(BUCKET_MIN, -(-self.numel // mesh.size)), -(-self.numel // (mesh.size * ROUNDS)))
         self.bucket_elements = int(bucket_elements or default)
         if self.bucket_elements < 1:
             raise ValueError(f"ShardedAdamW: bucket_elements must be positive, got {bucket_elements}")
+        self.rounds = -(-self.numel // (mesh.size * self.bucket_elements))  # R
+        self.chunk = self.rounds * self.bucket_elements  # m = R b per rank
         self.index = dist.get_rank()  # world rank = chunk index
         if P.group_rank(mesh.dp_group) != mesh.dp_index:
             raise ValueError("dp_group ranks are not in replica order")
         with torch.no_grad():
             flat = self._flat([p.detach() for p in self.params])
-            self.shard = self._chunk(flat, self.index).clone()  # this rank's flat chunk
+            self.shard = self._chunk(flat, self.index).clone()  # this rank's buckets, in round order
         # stepped as pieces that share its storage: AdamW's temporaries (sqrt(v), the update)
         # are then one piece at a time, not the whole chunk
         self.pieces = [torch.nn.Parameter(v) for v in self.shard.split(PIECE)]
@@ -180,28 +187,29 @@ class ShardedAdamW:
         return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
 
     def _chunk(self, flat: torch.Tensor, k: int) -> torch.Tensor:
-        return flat[k * self.chunk : (k + 1) * self.chunk]
+        """Rank ``k``'s buckets of the padded flat vector, in round order."""
+        return flat.view(self.rounds, self.mesh.size, self.bucket_elements)[:, k].reshape(-1)
 
     def _send_chunks(self) -> list[int]:
-        """The flat chunks this rank sends, in replica order: ``d * rows * cols + pos``."""
+        """The ranks whose chunks this rank sends, in replica order: ``d * rows * cols + pos``."""
         per = self.mesh.shape[1] * self.mesh.shape[2]
         return [d * per + self.index % per for d in range(self.mesh.dp)]
 
     def _segments(self) -> list[tuple[tuple[int, int, int, int, int], ...]]:
         """Per parameter, its ranges in the send buffer: ``(a, e, d, j, at)`` = ``p.grad.flatten()
-        [a:e]`` goes to ``buffer[d, j][at : at + e - a]`` (slot ``d``, round ``j``; the hook's map,
-        computed once)."""
-        out, start, size = [], 0, self.bucket_elements
+        [a:e]`` goes to ``buffer[d, j][at : at + e - a]`` (slot ``d``, the piece at offset ``j`` of
+        the slot: round ``j // b``; the hook's map, computed once)."""
+        out, start, size, n = [], 0, self.bucket_elements, self.mesh.size
+        slot_of = {k: d for d, k in enumerate(self._send_chunks())}
         for p in self.params:
             end, segs = start + p.numel(), []
-            for slot, k in enumerate(self._send_chunks()):
-                lo = k * self.chunk
-                a, b = max(lo, start), min(lo + self.chunk, end)
-                while a < b:  # split at the round boundaries of the slot
-                    j = (a - lo) // size * size
-                    e = min(b, lo + j + size)
-                    segs.append((a - start, e - start, slot, j, a - lo - j))
-                    a = e
+            for t in range(start // size, -(-end // size)):  # the buckets the parameter spans
+                d = slot_of.get(t % n)
+                if d is None:
+                    continue  # another dp group's bucket
+                lo = t * size
+                a, e = max(lo, start), min(lo + size, end)
+                segs.append((a - start, e - start, d, (t // n) * size, a - lo))
             out.append(tuple(segs))
             start = end
         return out
@@ -309,14 +317,13 @@ class ShardedAdamW:
         # the updated chunks, gathered in rounds of bucket_elements per rank (the gathered
         # transient is P * bucket_elements ~ L / P, not L) and written into the parameters
         with torch.no_grad():
-            for j in range(0, m, b):
+            for j in range(0, m, b):  # round j // b: buckets (j // b) P ... (j // b + 1) P - 1, contiguous
                 got = P.all_gather(self.shard[j : j + b], 0, dist.group.WORLD, op="zero:param_all_gather")
-                w = got.numel() // n
-                for k in range(n):
-                    self._write_params(k * m + j, got[k * w : (k + 1) * w])
+                self._write_params(j * n, got)
                 del got
         if self.keep_grads:
             g = P.all_gather(shard_grad, 0, dist.group.WORLD, op="zero:grad_all_gather")
+            g = g.view(n, self.rounds, b).transpose(0, 1).reshape(-1)  # rank-major -> flat order
             i = 0
             for p in self.params:
                 p.grad = g[i : i + p.numel()].view_as(p).clone()

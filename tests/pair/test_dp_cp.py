@@ -128,7 +128,12 @@ def _rank_dp(shape, b, n, steps, sharded=False, in_backward=True, gather=None):
         out.append((loss, *_snapshot(model)))
     held = None
     if sharded:  # the moments a rank holds: its chunk only
-        held = (sum(opt.state[q]["exp_avg"].numel() for q in opt.pieces), opt.numel, mesh.size)
+        held = (
+            sum(opt.state[q]["exp_avg"].numel() for q in opt.pieces),
+            opt.numel,
+            mesh.size,
+            opt.bucket_elements,
+        )
     return out, batch.split, held
 
 
@@ -197,8 +202,11 @@ def test_sharded_adamw_matches_serial(case, in_backward, gather):
         gather=gather,
     )
     _compare([o[0] for o in out], _serial(b, n, 2), f"zero {_id(case)}")
-    for _, _, (held, total, p) in out:
-        assert held == -(-total // p), f"a rank holds {held} moments of {total} on {p} ranks"
+    for _, _, (held, total, p, b) in out:
+        # its buckets of b: ceil(L / (P b)) rounds, at most one bucket of padding above L / P
+        assert held == -(-total // (p * b)) * b and held < total / p + b, (
+            f"a rank holds {held} moments of {total} on {p} ranks in buckets of {b}"
+        )
         if p > 1:
             assert held < total
 
@@ -279,7 +287,7 @@ def _rank_backward_sharded(shape, b, n):
             loss, _ = model(**batch, seed=100)
             loss.backward()
 
-    opt = ShardedAdamW(params, mesh, **ADAMW)
+    opt = ShardedAdamW(params, mesh, bucket_elements=37, **ADAMW)  # several rounds: the dealt buckets
     try:
         ShardedAdamW(params, mesh, **ADAMW)
         second = "no error"
@@ -293,20 +301,24 @@ def _rank_backward_sharded(shape, b, n):
     opt.remove_hooks()
     opt.zero_grad()
     backward()
+    # buckets of b dealt round-robin over the world: bucket t is rank t % P's
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    m = -(-flat.numel() // mesh.size)
-    flat = torch.cat([flat, flat.new_zeros(m * mesh.size - flat.numel())])
+    b, world = opt.bucket_elements, mesh.size
+    rounds = -(-flat.numel() // (b * world))
+    flat = torch.cat([flat, flat.new_zeros(rounds * b * world - flat.numel())])
     per = shape[1] * shape[2]
     pos = dist.get_rank() % per
-    expected = torch.cat([flat[(d * per + pos) * m : (d * per + pos + 1) * m] for d in range(shape[0])])
-    return left, buffer, expected, second, (opt.chunk, m)
+    mine = [[flat[(r * world + d * per + pos) * b :][:b] for r in range(rounds)] for d in range(shape[0])]
+    expected = torch.cat([x for slot in mine for x in slot])
+    return left, buffer, expected, second, (opt.chunk, rounds * b), rounds
 
 
 @pytest.mark.parametrize("case", [((2, 1, 2), 3, 5), ((1, 2, 2), 2, 6)], ids=_id)
 def test_zero2_backward_leaves_no_full_gradient(case):
     shape, b, n = case
     out = run_on_world(_rank_backward_sharded, shape[0] * shape[1] * shape[2], shape, b, n)
-    for rank, (left, buffer, expected, second, (chunk, m)) in enumerate(out):
+    for rank, (left, buffer, expected, second, (chunk, m), rounds) in enumerate(out):
+        assert rounds > 1, "vacuous: one round does not exercise the round-robin buckets"
         assert not left, f"rank {rank}: p.grad still held after backward for {left}"
         assert chunk == m and buffer.shape == (shape[0] * chunk,), (
             f"rank {rank}: buffer {tuple(buffer.shape)}"

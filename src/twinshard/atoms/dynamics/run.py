@@ -215,6 +215,22 @@ class MDRun:
     start_forces: torch.Tensor | None = None  # check_serial: start forces ordered by id
 
 
+@dataclass
+class _Start:
+    """What every rank agreed before the scatter (``rank 0``: only rank 0 holds it)."""
+
+    integrator: VelocityVerlet
+    potential: nn.Module
+    system: System | None  # rank 0: the start (or checkpoint) system
+    start_step: int
+    heat: float
+    dynamic: list[float]
+    bounds: dict[str, float]
+    notes: list[str]  # rank 0
+    notice: str | None
+    provenance: dict[str, Any] | None  # rank 0: written into the checkpoints
+
+
 def run_rank(
     opts: MDOptions,
     integrator: VelocityVerlet | Callable[[], VelocityVerlet],
@@ -235,8 +251,87 @@ def run_rank(
     checkpoints' provenance)."""
     from twinshard.atoms.parallel.evaluate import place, rows_by_id
     from twinshard.comm import CommLedger
-    from twinshard.comm import primitives as prim
     from twinshard.memory import RssWindow, peak_memory_during
+
+    st = _start(opts, integrator, potential, load, named, model_file, spelling)
+    sharded, dp = place(
+        st.system,
+        st.potential,
+        storage=opts.storage,
+        skin=opts.skin,
+        partition=opts.partition,
+        balance=opts.balance,
+    )
+    run = MDRun(
+        potential=st.potential,
+        integrator=st.integrator,
+        sharded=sharded,
+        distributed=dp,
+        start_step=st.start_step,
+        heat=st.heat,
+        dynamic=st.dynamic,
+        bounds=st.bounds,
+        out={},
+        final_results=None,
+        final_forces=torch.empty(0),
+        final=None,
+        owned_start=sharded.counts(),
+        halo_start=sharded.n_halo,
+        notes=st.notes,
+        notice=st.notice,
+    )
+    if opts.measure:  # resident peak: from the first force evaluation to the end of the loop
+        run.rss = RssWindow().__enter__()
+        run.first, peak = peak_memory_during(lambda: dp.compute(sharded, compute_stress=True), sharded.device)
+        run.peak_bytes = tensor_bytes(sharded) + int(peak)
+    if opts.check_serial:  # replicated option: every rank takes the same branch
+        if run.first is None:
+            run.first = dp.compute(sharded, compute_stress=True)
+        _, run.start_forces = rows_by_id(sharded, run.first.forces, op="md_check")
+        run.system = st.system  # rank 0 keeps the whole start system only for the serial twin
+    if st.system is not None:
+        run.start_ids = torch.sort(st.system.ids).values
+    st.system = None  # rank 0 keeps no whole-system copy through the run (but for check_serial)
+    ledger = CommLedger() if opts.measure else contextlib.nullcontext()
+    with ledger:
+        run.out = simulate(
+            DistributedEngine(sharded, dp),
+            st.integrator,
+            opts.steps,
+            thermo_every=max(1, opts.thermo_every),
+            thermo_path=opts.thermo,
+            trajectory=opts.trajectory,
+            trajectory_every=max(1, opts.trajectory_every),
+            progress=opts.progress and sharded.rank == 0,
+            start_step=st.start_step,
+            heat=st.heat,
+            checkpoint=opts.checkpoint,
+            checkpoint_every=opts.checkpoint_every,
+            check_files=False,  # done in the first fail-together step
+            provenance=st.provenance,
+            **st.bounds,
+        )
+    if opts.measure:
+        run.rss.__exit__(None, None, None)
+        assert isinstance(ledger, CommLedger)
+        run.comm_bytes = max(ledger.bytes_sent, ledger.bytes_recv) / max(opts.steps - st.start_step, 1)
+    run.final_results = dp.compute(sharded, compute_stress=True)  # final stress and virial
+    _, run.final_forces = rows_by_id(sharded, run.final_results.forces, op="md_final")
+    run.final = sharded.gather(0)
+    return run
+
+
+def _start(
+    opts: MDOptions,
+    integrator: VelocityVerlet | Callable[[], VelocityVerlet],
+    potential: nn.Module | Callable[[list[int]], nn.Module],
+    load: Callable[[], System],
+    named: bool,
+    model_file: str | None,
+    spelling: Spelling,
+) -> _Start:
+    """Steps 1 and 2 of the module docstring: two fail-together steps and two broadcasts."""
+    from twinshard.comm import primitives as prim
     from twinshard.runtime import agree_step, require_world
 
     world = require_world(spelling.who)
@@ -259,21 +354,8 @@ def run_rank(
         bounds = {k: bound(k, getattr(opts, k)) for k in ("max_temperature", "max_force")}
         if rank == 0:
             if opts.restart:
-                saved = state = load_checkpoint(opts.restart)
-                check_restart(state, integ, repr(opts.restart))
-                if named:
-                    check_structure(state, load(), repr(opts.restart))
-                if state["step"] > opts.steps:
-                    raise ValueError(
-                        f"checkpoint {opts.restart!r} is at step {state['step']} but {spelling.steps} "
-                        f"is {opts.steps}: {spelling.steps} counts the whole run, give a larger total"
-                    )
-                system = state["system"]
-                if opts.dtype is not None:
-                    system = system.to(dtype=opts.dtype)
-                integ.load_state(state["integrator"])  # the chain's variables, checked here
-                resume[0], resume[1] = float(state["step"]), float(state["heat"])
-                resume[2:] = torch.tensor(dynamic_values(integ), dtype=torch.float64)
+                saved = _resume_from(opts, integ, load if named else None, spelling, resume)
+                system = saved["system"] if opts.dtype is None else saved["system"].to(dtype=opts.dtype)
             else:
                 system = load()
             mask[system.numbers.unique().to(dev)] = 1
@@ -282,7 +364,6 @@ def run_rank(
             notes = prepare_outputs(int(resume[0]), *paths, names=spelling.outputs)
     mask = prim.broadcast(mask, 0, None, op="md_setup")
     resume = prim.broadcast(resume, 0, None, op="md_setup")
-    start_step, heat0 = int(resume[0]), float(resume[1])
     dyn0 = resume[2:].tolist()  # every rank's chain, and a serial twin, start here
     load_dynamic_values(integ, dyn0)
     species = torch.nonzero(mask).flatten().tolist()
@@ -304,71 +385,34 @@ def run_rank(
                 )
     if changed:
         print(f"{spelling.who}: {changed}", file=sys.stderr, flush=True)
-    sharded, dp = place(
-        system,
-        potential,
-        storage=opts.storage,
-        skin=opts.skin,
-        partition=opts.partition,
-        balance=opts.balance,
+    return _Start(
+        integ, potential, system, int(resume[0]), float(resume[1]), dyn0, bounds, notes, changed, provenance
     )
-    run = MDRun(
-        potential=potential,
-        integrator=integ,
-        sharded=sharded,
-        distributed=dp,
-        start_step=start_step,
-        heat=heat0,
-        dynamic=dyn0,
-        bounds=bounds,
-        out={},
-        final_results=None,
-        final_forces=torch.empty(0),
-        final=None,
-        owned_start=sharded.counts(),
-        halo_start=sharded.n_halo,
-        notes=notes,
-        notice=changed,
-    )
-    if opts.measure:  # resident peak: from the first force evaluation to the end of the loop
-        run.rss = RssWindow().__enter__()
-        run.first, peak = peak_memory_during(lambda: dp.compute(sharded, compute_stress=True), dev)
-        run.peak_bytes = tensor_bytes(sharded) + int(peak)
-    if opts.check_serial:  # replicated option: every rank takes the same branch
-        if run.first is None:
-            run.first = dp.compute(sharded, compute_stress=True)
-        _, run.start_forces = rows_by_id(sharded, run.first.forces, op="md_check")
-        run.system = system  # rank 0 keeps the whole start system only for the serial twin
-    if system is not None:
-        run.start_ids = torch.sort(system.ids).values
-    del system  # rank 0 keeps no whole-system copy through the run (but for check_serial)
-    ledger = CommLedger() if opts.measure else contextlib.nullcontext()
-    with ledger:
-        run.out = simulate(
-            DistributedEngine(sharded, dp),
-            integ,
-            opts.steps,
-            thermo_every=max(1, opts.thermo_every),
-            thermo_path=opts.thermo,
-            trajectory=opts.trajectory,
-            trajectory_every=max(1, opts.trajectory_every),
-            progress=opts.progress and rank == 0,
-            start_step=start_step,
-            heat=heat0,
-            checkpoint=opts.checkpoint,
-            checkpoint_every=opts.checkpoint_every,
-            check_files=False,  # done above, inside the fail-together step
-            provenance=provenance,
-            **bounds,
+
+
+def _resume_from(
+    opts: MDOptions,
+    integ: VelocityVerlet,
+    named: Callable[[], System] | None,
+    spelling: Spelling,
+    resume: torch.Tensor,
+) -> dict[str, Any]:
+    """Rank 0: the checkpoint of ``opts.restart``, checked (the integrator's settings, a structure
+    given beside it, the step count); the integrator loads its chain's variables and ``resume``
+    gets ``[step, heat, variables]``."""
+    state = load_checkpoint(opts.restart)
+    check_restart(state, integ, repr(opts.restart))
+    if named is not None:
+        check_structure(state, named(), repr(opts.restart))
+    if state["step"] > opts.steps:
+        raise ValueError(
+            f"checkpoint {opts.restart!r} is at step {state['step']} but {spelling.steps} "
+            f"is {opts.steps}: {spelling.steps} counts the whole run, give a larger total"
         )
-    if opts.measure:
-        run.rss.__exit__(None, None, None)
-        assert isinstance(ledger, CommLedger)
-        run.comm_bytes = max(ledger.bytes_sent, ledger.bytes_recv) / max(opts.steps - start_step, 1)
-    run.final_results = dp.compute(sharded, compute_stress=True)  # final stress and virial
-    _, run.final_forces = rows_by_id(sharded, run.final_results.forces, op="md_final")
-    run.final = sharded.gather(0)
-    return run
+    integ.load_state(state["integrator"])  # the chain's variables, checked here
+    resume[0], resume[1] = float(state["step"]), float(state["heat"])
+    resume[2:] = torch.tensor(dynamic_values(integ), dtype=torch.float64)
+    return state
 
 
 def tensor_bytes(*objs: Any) -> int:
