@@ -222,20 +222,21 @@ def _bias_grad_moves(
 def _merge(
     m: torch.Tensor | None, l: torch.Tensor | None, acc: torch.Tensor | None, s: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One online-softmax step: fold logits ``s[B, I, H, J, K]`` with values ``v[B, I, H, K, d]``
-    into the running max ``m``, normaliser ``l`` ([B, I, H, J]) and numerator ``acc``."""
+    """One online-softmax step: fold logits ``s[B, I, H, J, K]`` (consumed: overwritten by the
+    probabilities) with values ``v[B, I, H, K, d]`` into the running max ``m``, normaliser ``l``
+    and numerator ``acc`` ([B, I, H, J]; updated in place). In place: one pass less over the
+    chunk's logits per operation (the forward runs without autograd)."""
     m_blk = s.amax(-1)
     if m is None:
-        p = torch.exp(s - m_blk.unsqueeze(-1))
+        p = s.sub_(m_blk.unsqueeze(-1)).exp_()
         return m_blk, p.sum(-1), torch.einsum("bihjk,bihkd->bihjd", p, v)
     m_new = torch.maximum(m, m_blk)
     alpha = torch.exp(m - m_new)  # rescale what was summed under the old max
-    p = torch.exp(s - m_new.unsqueeze(-1))
-    return (
-        m_new,
-        l * alpha + p.sum(-1),
-        acc * alpha.unsqueeze(-1) + torch.einsum("bihjk,bihkd->bihjd", p, v),
-    )
+    p = s.sub_(m_new.unsqueeze(-1)).exp_()
+    assert l is not None and acc is not None
+    l.mul_(alpha).add_(p.sum(-1))
+    acc.mul_(alpha.unsqueeze(-1)).add_(torch.einsum("bihjk,bihkd->bihjd", p, v))
+    return m_new, l, acc
 
 
 def _merge_block(
@@ -290,7 +291,10 @@ def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _logits(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
-    return torch.einsum("bihjd,bihkd->bihjk", q, k) + bias.unsqueeze(1) + mb[:, :, None, None, :]
+    s = torch.einsum("bihjd,bihkd->bihjk", q, k)
+    s += bias.unsqueeze(1)  # in place: the chunk's logits are written once
+    s += mb[:, :, None, None, :]
+    return s
 
 
 class _Step:
@@ -402,11 +406,10 @@ class _RingAttention(torch.autograd.Function):
         for t in range(C):
             dblk = None  # [B, H, J, K]: this rank's rows i of the bias gradient, summed over i
             for a, b in chunks:  # in place: dkt, dvt are this rank's own (received) buffers
-                p = torch.exp(_logits(q[:, a:b], kt[:, a:b], bblk, mbt[:, a:b]) - lse[:, a:b].unsqueeze(-1))
+                p = _logits(q[:, a:b], kt[:, a:b], bblk, mbt[:, a:b]).sub_(lse[:, a:b].unsqueeze(-1)).exp_()
                 dvt[:, a:b] += torch.einsum("bihjk,bihjd->bihkd", p, do[:, a:b])
-                ds = p * (
-                    torch.einsum("bihjd,bihkd->bihjk", do[:, a:b], vt[:, a:b]) - delta[:, a:b].unsqueeze(-1)
-                )
+                ds = torch.einsum("bihjd,bihkd->bihjk", do[:, a:b], vt[:, a:b])
+                ds.sub_(delta[:, a:b].unsqueeze(-1)).mul_(p)  # in place: dS = P (dP - delta)
                 del p
                 dq[:, a:b] += torch.einsum("bihjk,bihkd->bihjd", ds, kt[:, a:b])
                 dkt[:, a:b] += torch.einsum("bihjk,bihjd->bihkd", ds, q[:, a:b])
