@@ -68,6 +68,7 @@ checkpoint's (atom count, ids, species).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -87,7 +88,6 @@ from twinshard.atoms.dynamics.md import SerialEngine, load_dynamic_values, simul
 from twinshard.atoms.dynamics.run import (  # DistributedEngine, npt_figures: re-exported (held here before)
     CLI,
     DistributedEngine,
-    MDOptions,
     MDRun,
     npt_figures,
     run_rank,
@@ -136,7 +136,7 @@ def md_rank(cfg: MDConfig) -> dict[str, Any]:
     world = require_world("twinshard md")
     rank, nranks = world.rank, world.size
     run = run_rank(
-        MDOptions.of(cfg, measure=True),
+        replace(cfg, measure=True),  # MDConfig is an MDOptions
         lambda: make_integrator(cfg),  # option errors surface on every rank
         lambda species: potential_from_config(cfg, species),  # e.g. the LJ species table
         lambda: load_structure(cfg),

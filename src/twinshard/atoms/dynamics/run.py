@@ -25,6 +25,13 @@ final evaluation, two all_gathers (ids, forces) and the final gather. With ``mea
 force evaluation is profiled for its peak tensor memory, the resident peak (VmHWM) is taken over
 the loop and the ledger counts its bytes; with ``check_serial`` rank 0 keeps the start system and
 every rank gathers the start forces by id (the serial twin's inputs).
+
+Placements: rank 0 holds the start system (loaded or from the checkpoint) until the scatter; then
+every rank holds its owned atoms (halo storage: and their halo rows; graph storage: the replicated
+geometry) through the run; at the end the forces by id are replicated (``N x 3`` per rank) and the
+final system is gathered on rank 0. Memory per rank: the storage's (``~N / P`` owned atoms plus
+the ghost shell in halo storage), rank 0 the whole system only at the start and the end (and
+through the run with ``check_serial``).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -122,12 +129,6 @@ class MDOptions:
     dtype: torch.dtype | None = None  # the state's dtype after a restart (None: the checkpoint's)
     measure: bool = False  # profile the first evaluation, the resident peak and the ledger bytes
     check_serial: bool = False  # keep what the serial twin needs (rank 0's start system, forces)
-
-    @classmethod
-    def of(cls, cfg: Any, **overrides: Any) -> MDOptions:
-        """The options ``cfg`` holds under these names (the others keep their defaults)."""
-        values = {f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)}
-        return cls(**{**values, **overrides})
 
 
 @dataclass
