@@ -43,7 +43,9 @@ def place(
     potential's cutoff, and wrap ``potential`` (on the storage's device) in a
     :class:`DistributedPotential` whose mode follows the model contract (``mode`` overrides it:
     ``validate`` traces a model through the dispatch). A bare mace-torch module goes behind
-    ``MaceAdapter`` first. Collectives: the storage's scatter."""
+    ``MaceAdapter`` first. Collectives: the storage's scatter. Placements: ``system`` on ``src``
+    in; out, each rank's owned atoms (and its halo rows, or the replicated geometry in graph
+    storage) and the potential's parameters replicated."""
     potential = as_potential(potential)
     if not hasattr(potential, "cutoff"):
         raise TypeError("potential must have a float `cutoff` and forward(graph) -> per-atom energies")
@@ -89,7 +91,11 @@ def evaluate(
     global id; for a system built with default ids, the original order), replicated on every rank.
 
     ``storage``: ``"halo"`` (spatial blocks with halo atoms, ``partition``) or ``"graph"`` (atoms
-    split by index, geometry replicated; plain-PyTorch models through the dispatch)."""
+    split by index, geometry replicated; plain-PyTorch models through the dispatch).
+
+    Collectives: the scatter, the evaluation's (halo exchanges and their adjoints, one energy
+    all_reduce), two all_gathers of the rows. Memory per rank: the storage during the evaluation,
+    then the whole system's ``N x 4`` result rows (replicated: an ASE calculator's contract)."""
     sharded, dp = place(
         system, potential, storage=storage, src=src, skin=skin, partition=partition, group=group
     )
