@@ -122,7 +122,7 @@ def bench_rank_op(
 ) -> dict[str, Any]:
     """This rank's figures for a trunk op (the keys of ``twinshard.bench.pair.bench_rank``; no
     timed repeats: ``seconds_runs`` is empty)."""
-    from twinshard.bench.pair import measure, rank_figures
+    from twinshard.bench.measure import measure, rank_figures
     from twinshard.comm import CommLedger
     from twinshard.pair.features import PairLayout, with_layout
     from twinshard.pair.tiling import PAIR, SINGLE, from_local, local_block

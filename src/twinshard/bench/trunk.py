@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from twinshard.bench.pair import measure, parse_grid
+from twinshard.bench.measure import measure, parse_grid
 from twinshard.bench.whole_trunk import add_trunk_options
 from twinshard.comm import CommLedger
 from twinshard.comm.ledger import BYTES_MODEL

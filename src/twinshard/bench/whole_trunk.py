@@ -324,7 +324,7 @@ def whole_rank(
     threads: int = 1,
 ) -> dict[str, Any]:
     """Run on every rank of a world of rows x cols ranks; returns this rank's figures."""
-    from twinshard.bench.pair import measure
+    from twinshard.bench.measure import measure
     from twinshard.comm import CommLedger
     from twinshard.pair.features import collect_grad, collect_tensor, distribute, shard_tensor
     from twinshard.runtime import get_world, make_grid

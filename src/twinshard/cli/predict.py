@@ -495,7 +495,7 @@ def predict_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
-    from twinshard.bench.pair import parse_grid
+    from twinshard.bench.measure import parse_grid
 
     shape = parse_grid(args.grid)
     if args.tokens < 1:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from twinshard.runtime.scope import current_scope, scope_rank
-from twinshard.runtime.world import require_world
+from twinshard.runtime.world import on_shutdown, require_world
 
 _GRIDS: dict[tuple, ProcessGrid] = {}
 
@@ -153,5 +153,6 @@ def register_grid(grid: ProcessGrid, names: tuple[str, ...] | None = None) -> No
     _GRIDS[key] = grid
 
 
+@on_shutdown  # a later world must not reuse groups of this one
 def clear_grid_cache() -> None:
     _GRIDS.clear()

@@ -207,10 +207,7 @@ def on_shutdown(fn: Any) -> Any:
 def shutdown_world() -> None:
     """Destroy the default process group (and the grids and meshes cached on it)."""
     global _WORLD
-    from twinshard.runtime.grid import clear_grid_cache
-
-    clear_grid_cache()
-    for fn in _ON_SHUTDOWN:
+    for fn in _ON_SHUTDOWN:  # the grid and mesh caches among them
         fn()
     if dist.is_initialized():
         dist.destroy_process_group()
