@@ -1636,6 +1636,39 @@ MUTATIONS: list[Mutation] = [
         "            send.mul_(weight).mul_(weight)\n",
         ("tests/pair/test_dp_cp.py::test_sharded_adamw_matches_serial",),
     ),
+    # -- the whole-model Boltz-2 training step under dp x cp (issue 21, section 3)
+    M(
+        "dp_model_sampler_rows_local",
+        "wrong rng key",
+        "pair/reference/sampler.py",
+        "return rows + current_batch_offset() * int(per_element)",
+        "return rows",
+        ("tests/pair/test_train_boltz2_dp.py::test_dp_step_matches_serial[dp2x1x1-B2-N7-m2]",),
+    ),
+    M(
+        "dp_model_grad_unweighted",
+        "wrong normaliser",
+        "pair/train_boltz2.py",
+        "reduce_gradients([p for p, h in zip(params, held) if h > 0], weight, mesh)",
+        "reduce_gradients([p for p, h in zip(params, held) if h > 0], 1.0, mesh)",
+        ("tests/pair/test_train_boltz2_dp.py::test_dp_step_matches_serial[dp2x1x1-B2-N7-m2]",),
+    ),
+    M(
+        "dp_model_loss_not_reduced",
+        "missing reduction",
+        "pair/train_boltz2.py",
+        'total = P.all_reduce(torch.stack(parts) * weight, mesh.dp_group, op="dp:loss")',
+        "total = torch.stack(parts)",
+        ("tests/pair/test_train_boltz2_dp.py::test_dp_step_matches_serial[dp2x1x1-B2-N7-m2]",),
+    ),
+    M(
+        "dp_model_dropout_local_batch_index",
+        "wrong rng key",
+        "pair/train_boltz2.py",
+        "with mesh.replica(), batch_offset(sum(split[: mesh.dp_index])):",
+        "with mesh.replica(), batch_offset(0):",
+        ("tests/pair/test_train_boltz2_dp.py::test_dp_step_matches_serial[dp2x1x1-B2-N7-m2]",),
+    ),
 ]
 
 

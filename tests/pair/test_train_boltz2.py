@@ -58,9 +58,9 @@ FROZEN = (
 )
 
 
-def _model(cls, seed: int = 3):
+def _model(cls, seed: int = 3, config=None):
     torch.manual_seed(0)
-    model = cls(model_config()).to(F64)
+    model = cls(model_config() if config is None else config).to(F64)
     randomize_parameters(model, seed=seed)
     for n, p in model.named_parameters():
         if n.endswith(FROZEN):
@@ -68,10 +68,11 @@ def _model(cls, seed: int = 3):
     return model
 
 
-def _feats(n: int, seed: int) -> dict:
-    """The synthetic complex with Boltz's training features (``synthetic_training_features``; the
-    frames' conformer axis K = 1 squeezed, as Boltz2.training_step does)."""
-    f = model_features(n, 1, seed=n)
+def _feats(n: int, seed: int, batch: int = 1) -> dict:
+    """The synthetic complex (``batch`` elements) with Boltz's training features
+    (``synthetic_training_features``; the frames' conformer axis K = 1 squeezed, as
+    Boltz2.training_step does)."""
+    f = model_features(n, batch, seed=n)
     f.update(synthetic_training_features(f, seed=seed))
     f["frames_idx"], f["frame_resolved_mask"] = f["frames_idx"][:, 0], f["frame_resolved_mask"][:, 0]
     f["coords"] = f["coords"].to(F64)

@@ -44,13 +44,21 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from twinshard.comm import primitives as P
-from twinshard.pair.features import PairLayout, ShardedFeatures, collect_tensor, shard_tensor
+from twinshard.pair.features import PairLayout, ShardedFeatures, collect_tensor, distribute, shard_tensor
 from twinshard.pair.reference.dropout import batch_offset
 from twinshard.runtime.agree import agree_scalars, raise_together
 from twinshard.runtime.mesh import DPCPMesh, split_sizes
 from twinshard.runtime.scope import current_scope
 
-__all__ = ["collect_batch", "distribute_batch", "dp_train_step", "replica_weight", "split_batch"]
+__all__ = [
+    "collect_batch",
+    "distribute_batch",
+    "distribute_features",
+    "dp_train_step",
+    "reduce_gradients",
+    "replica_weight",
+    "split_batch",
+]
 
 TRUNK_KINDS = {"s": "single", "z": "pair", "target": "pair", "mask": "single", "pair_mask": "pair"}
 
@@ -92,6 +100,24 @@ def distribute_batch(
     return out
 
 
+def distribute_features(
+    features: Mapping[str, torch.Tensor], mesh: DPCPMesh, kinds: Mapping[str, str] | None = None
+) -> ShardedFeatures:
+    """A whole model's full feature dict (every value ``[B, ...]``, the same on every rank; e.g.
+    Boltz-2's features with the training ones) -> this replica's elements distributed on its grid
+    at the contract placements (:func:`split_batch`, then ``pair.features.distribute(...,
+    src=None)`` inside ``mesh.replica()``; ``kinds`` as there). The result has ``.layout`` (the
+    replica's), ``.split`` and ``.offset`` as :func:`distribute_batch`'s. Collectives: those of
+    ``distribute`` within the replica (metadata agreement, atom planning). Memory: the replica's
+    tiles, views of the caller's full tensors where no padding is needed."""
+    local = split_batch(features, mesh)
+    with mesh.replica() as grid:
+        out = distribute(local, grid, kinds=kinds)
+    out.split = split_sizes(int(next(iter(features.values())).shape[0]), mesh.dp)  # type: ignore[attr-defined]
+    out.offset = _offset(out.split, mesh.dp_index)  # type: ignore[attr-defined]
+    return out
+
+
 def collect_batch(x: DTensor | torch.Tensor, mesh: DPCPMesh, kind: str | None = None) -> torch.Tensor:
     """The whole batch of a replica-distributed tensor on every rank: the replica's full tensor
     (``collect_tensor`` on its grid; a plain tensor is taken as the replica's full value), then
@@ -113,12 +139,10 @@ def replica_weight(split: Sequence[int], mesh: DPCPMesh) -> float:
     return share / mesh.dp
 
 
-def _batch_size(batch: Mapping[str, Any]) -> int | None:
+def _batch_size(batch: Mapping[str, Any], who: str = "dp_train_step") -> int | None:
     sizes = {int(v.shape[0]) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
     if len(sizes) != 1:
-        raise ValueError(
-            f"dp_train_step: every batch tensor needs the same leading batch size, got {sorted(sizes)}"
-        )
+        raise ValueError(f"{who}: every batch tensor needs the same leading batch size, got {sorted(sizes)}")
     return sizes.pop()
 
 
@@ -146,7 +170,13 @@ def _settings(model: nn.Module, optimizer: Any, seed: int, mesh: DPCPMesh) -> di
     }
 
 
-def _agree_split(local_b: int | None, err: BaseException | None, split: Sequence[int] | None, mesh: DPCPMesh):
+def _agree_split(
+    local_b: int | None,
+    err: BaseException | None,
+    split: Sequence[int] | None,
+    mesh: DPCPMesh,
+    who: str = "dp_train_step",
+):
     """The batch split from every rank's ``(replica, B_local)``; raises on every rank when the
     ranks of a replica hold different sizes, a replica is empty, or it differs from ``split``."""
     every: list = [None] * mesh.size
@@ -159,14 +189,15 @@ def _agree_split(local_b: int | None, err: BaseException | None, split: Sequence
         got = tuple(next(iter(per[d])) for d in range(mesh.dp)) if not bad else None
         if bad:
             err = ValueError(
-                f"dp_train_step: the ranks of a replica hold batches of different sizes ({bad}); every "
-                "rank of replica d must hold that replica's elements (split_batch / distribute_batch)"
+                f"{who}: the ranks of a replica hold batches of different sizes ({bad}); every "
+                "rank of replica d must hold that replica's elements (split_batch / distribute_batch / "
+                "distribute_features)"
             )
         elif any(b is None or b < 1 for b in got):  # type: ignore[union-attr]
-            err = ValueError(f"dp_train_step: every replica needs at least one structure, got split {got}")
+            err = ValueError(f"{who}: every replica needs at least one structure, got split {got}")
         elif split is not None and tuple(split) != got:
-            err = ValueError(f"dp_train_step: the batches held {got} are not the split {tuple(split)} passed")
-    raise_together(err, step="dp_train_step (batch split)")
+            err = ValueError(f"{who}: the batches held {got} are not the split {tuple(split)} passed")
+    raise_together(err, step=f"{who} (batch split)")
     return got
 
 

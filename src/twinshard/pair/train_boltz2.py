@@ -34,6 +34,32 @@ completes (all-reduces) itself, so a stock AdamW on every rank keeps the replica
 step's control scalars (global step, recycling and sampling steps, weights, the optimizer's
 step counts and hyperparameters) are agreed first (``agree_scalars``).
 
+Data x context parallelism (``mesh``: a :class:`twinshard.runtime.mesh.DPCPMesh` of ``dp``
+replicas, each a rows x cols grid). Replica ``d`` holds the contiguous elements ``[k_d, k_d +
+B_d)`` of the whole batch of ``B`` (``split_sizes``: uneven ``B`` allowed, ``B < dp`` raises on
+every rank); the caller distributes them (``data_parallel.distribute_features(full_feats, mesh)``
+for ``CPBoltz2Model``, ``data_parallel.split_batch`` for a serial model on 1 x 1 replicas).
+``step(feats)`` agrees over the whole world the step's control scalars (global step, seed, args,
+optimizer step counts and hyperparameters, the EMA's step, the mesh shape, the parameter names,
+shapes, dtypes and trainable flags, a checksum of the weights, the draw source) and the batch
+split (``data_parallel._agree_split``: each replica's ``B_d``, the same on its ranks), then runs
+the forward, the losses and the backward inside ``mesh.replica()`` and ``batch_offset(k_d)``:
+dropout masks and the structure module's draws (noise levels, augmentation, noise, the
+confidence's samples: ``reference.sampler.global_rows``) are keyed by each element's index in
+the whole batch, so the replicas draw the serial step's numbers; recycling and sampling steps
+come from ``global_step``, the same everywhere. Every loss term is a plain mean over the batch's
+elements or its ``B m`` sample rows (the distogram's per-element mean, the diffusion loss' mean
+over rows of the weighted MSE and the smooth lDDT, the confidence losses' per-sample means; their
+epsilons are per element), so the serial loss is ``sum_d (B_d / B) L_d`` and its gradient the same
+weighted sum of the replicas': ``data_parallel.reduce_gradients`` with ``replica_weight`` sums the
+weighted gradients over ``mesh.dp_group`` (one all-reduce per dtype, >= fp32; a parameter gets a
+gradient where any replica has one, as serial), then AdamW and the EMA step on identical
+replicas. The returned ``loss`` and per-term values are the whole batch's (one weighted
+all-reduce over ``dp_group``). Collectives per step beyond the replica's CP ones: two object
+all-gathers over the world (agreement, split), one flag all-reduce (which parameters have
+gradients), the gradient all-reduce(s) and one 4-scalar all-reduce over ``dp_group``. Memory per
+rank: the replica's CP step's, plus one flat gradient buffer per dtype during the reduction.
+
 Checkpoints (:meth:`Boltz2Training.save` / :meth:`load`): Lightning's ``.ckpt`` layout
 (``epoch``, ``global_step``, ``pytorch-lightning_version``, ``state_dict`` with Boltz2's names,
 ``loops`` (None), ``callbacks`` ``{"EMA": ema state}``, ``optimizer_states [AdamW state_dict]``,
@@ -55,8 +81,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from twinshard.comm import primitives as P
 from twinshard.runtime.agree import agree_scalars
 from twinshard.runtime.files import atomic_write
+from twinshard.runtime.scope import current_scope
 
 __all__ = [
     "EMA",
@@ -353,6 +381,9 @@ class LossHooks:
 # -- the step -----------------------------------------------------------------------------------
 
 
+_TERMS = ("distogram", "diffusion", "confidence")
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -362,7 +393,12 @@ class Boltz2Training:
     ``loss`` (detached), the per-loss values, ``recycling_steps`` and ``sampling_steps``;
     ``save(path)``, ``load(path)``. ``feats``: the serial feature dict (``Boltz2Model``) or
     ``distribute``'s ``ShardedFeatures`` (``CPBoltz2Model``), with ``coords [B, K, A, 3]``,
-    ``disto_target`` and ``token_disto_mask`` (and the confidence loss' features)."""
+    ``disto_target`` and ``token_disto_mask`` (and the confidence loss' features).
+
+    ``mesh`` (a ``DPCPMesh``): data x context parallel (module docstring); ``feats`` is then this
+    replica's elements (``data_parallel.distribute_features``), ``step`` runs over the whole world
+    (not inside ``mesh.replica()``) and returns the whole batch's losses; ``out`` is the
+    replica's (its DTensors live on ``mesh.grid``)."""
 
     def __init__(
         self,
@@ -373,8 +409,10 @@ class Boltz2Training:
         hparams: Mapping[str, Any] | None = None,
         losses: LossHooks | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        mesh: Any = None,
     ):
         self.model, self.args, self.seed = model, args, int(seed)
+        self.mesh = mesh
         self.hparams = dict(hparams) if hparams is not None else None
         self.losses = losses or LossHooks.default(model)
         self.optimizer = optimizer or configure_optimizer(model, args)
@@ -384,21 +422,41 @@ class Boltz2Training:
             self.ema.init(model)
 
     # the step --------------------------------------------------------------------------------
-    def _agree(self, feats: Mapping[str, Any]) -> None:
-        if not any(isinstance(v, DTensor) for v in feats.values()):
-            return
+    def _settings(self) -> dict[str, Any]:
         steps = sorted(int(st["step"]) for st in self.optimizer.state.values() if "step" in st)
         groups = tuple(
             tuple(sorted((k, v) for k, v in g.items() if k != "params")) for g in self.optimizer.param_groups
         )
+        return {
+            "global_step": self.global_step,
+            "seed": self.seed,
+            "args": repr(self.args),
+            "optimizer_steps": tuple(steps),
+            "param_groups": groups,
+            "ema": None if self.ema is None else self.ema.cur_step,
+        }
+
+    def _agree(self, feats: Mapping[str, Any]) -> None:
+        if not any(isinstance(v, DTensor) for v in feats.values()):
+            return
+        agree_scalars(self._settings(), "Boltz2Training.step")
+
+    def _agree_world(self, draws: Any) -> None:
+        """The dp step's agreement over the whole world (module docstring)."""
+        with torch.no_grad():
+            params = tuple(
+                (k, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+                for k, p in self.model.named_parameters()
+            )
+            checksum = tuple(float(p.double().sum()) for p in self.model.parameters())
         agree_scalars(
             {
-                "global_step": self.global_step,
-                "seed": self.seed,
-                "args": repr(self.args),
-                "optimizer_steps": tuple(steps),
-                "param_groups": groups,
-                "ema": None if self.ema is None else self.ema.cur_step,
+                **self._settings(),
+                "mesh": tuple(self.mesh.shape),
+                "model": type(self.model).__name__,
+                "parameters": params,
+                "weights_checksum": checksum,
+                "draws": "counter" if draws is None else type(draws).__name__,
             },
             "Boltz2Training.step",
         )
@@ -415,9 +473,57 @@ class Boltz2Training:
         return fn(self.model, out, feats, self.args)["loss"]
 
     def step(self, feats: Mapping[str, Any], draws: Any = None) -> dict[str, Any]:
+        """One training step (module docstring); with ``mesh``, the data x context parallel one."""
+        if self.mesh is not None:
+            return self._dp_step(feats, draws)
+        self._agree(feats)
+        res = self._forward_backward(feats, draws)
+        self._update()
+        return res
+
+    def _update(self) -> None:
+        self.optimizer.step()
+        self.global_step += 1
+        if self.ema is not None:
+            self.ema.update(self.model, self.global_step)
+
+    def _dp_step(self, feats: Mapping[str, Any], draws: Any) -> dict[str, Any]:
+        from twinshard.pair.data_parallel import _agree_split, _batch_size, reduce_gradients, replica_weight
+        from twinshard.pair.reference.dropout import batch_offset
+
+        mesh, who = self.mesh, "Boltz2Training.step"
+        if current_scope() is not None:
+            raise ValueError(
+                f"{who} with a dp mesh runs over the whole world, not inside a replica's sub-world"
+            )
+        err: BaseException | None = None
+        local_b = None
+        try:
+            local_b = _batch_size(feats, who)
+        except Exception as exc:  # raised on every rank by _agree_split
+            err = exc
+        self.model.train()
+        self._agree_world(draws)
+        split = _agree_split(local_b, err, None, mesh, who)
+        weight = replica_weight(split, mesh)
+        with mesh.replica(), batch_offset(sum(split[: mesh.dp_index])):
+            res = self._forward_backward(feats, draws)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        dev = params[0].device if params else torch.device("cpu")
+        flags = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64, device=dev)
+        held = P.all_reduce(flags, mesh.dp_group, op="dp:has_grad").tolist()  # a gradient on any replica
+        reduce_gradients([p for p, h in zip(params, held) if h > 0], weight, mesh)
+        self._update()
+        loss = res["loss"]
+        parts = [loss] + [torch.as_tensor(res[k], dtype=loss.dtype, device=loss.device) for k in _TERMS]
+        total = P.all_reduce(torch.stack(parts) * weight, mesh.dp_group, op="dp:loss")
+        res["loss"] = total[0]
+        res.update({k: float(v) for k, v in zip(_TERMS, total[1:])})
+        return res
+
+    def _forward_backward(self, feats: Mapping[str, Any], draws: Any) -> dict[str, Any]:
         from twinshard.pair.reference.sampler import CounterDraws
 
-        self._agree(feats)
         args, model = self.args, self.model
         rec = recycling_steps_at(args, self.global_step)
         steps = sampling_steps_at(args, self.global_step)
@@ -442,10 +548,6 @@ class Boltz2Training:
             + args.distogram_loss_weight * disto
         )
         loss.backward()
-        self.optimizer.step()
-        self.global_step += 1
-        if self.ema is not None:
-            self.ema.update(model, self.global_step)
 
         def val(x):
             return float(x.detach()) if torch.is_tensor(x) else float(x)

@@ -48,7 +48,15 @@ from torch import nn
 
 from twinshard.rng import uniform
 
-__all__ = ["CONVENTIONS", "Dropout", "assign_dropout_streams", "batch_offset", "dropout_mask", "stream_id"]
+__all__ = [
+    "CONVENTIONS",
+    "Dropout",
+    "assign_dropout_streams",
+    "batch_offset",
+    "current_batch_offset",
+    "dropout_mask",
+    "stream_id",
+]
 
 CONVENTIONS = ("af3", "boltz")
 
@@ -71,6 +79,13 @@ def batch_offset(k: int) -> Iterator[None]:
         yield
     finally:
         _BATCH_OFFSET = saved
+
+
+def current_batch_offset() -> int:
+    """The batch offset of the enclosing :func:`batch_offset` block (0 outside one): the index in
+    the whole batch of the first element this process holds. Other counter-keyed draws (the
+    structure module's sample rows, ``reference.sampler``) read it too."""
+    return _BATCH_OFFSET
 
 
 def stream_id(name: str) -> int:

@@ -43,6 +43,12 @@ callback hands the full serial tensors, in the order and shapes Boltz's ``torch.
 them, to both sides). Boltz itself samples ``B = 1`` only (its rotations are ``[m, 3, 3]``); here
 any ``B``, the sample rows ``b m + j``.
 
+Data parallelism. Under ``reference.dropout.batch_offset(k)`` (a dp replica holding elements
+``[k, k + B_local)`` of the whole batch) the rows handed to the draw source are the whole batch's
+(:func:`global_rows`: sample row ``(k + b) m + j``, the synchronized noise level's row ``k + b``),
+so the replicas draw together exactly the serial step's numbers. :class:`GivenDraws` hands out
+rows of the shape it is asked for (the replica's): it raises under a nonzero offset.
+
 Training loss: ``loss_weight`` and ``compute_loss`` (Boltz-2's diffusion loss) are
 :mod:`twinshard.pair.reference.structure_loss`'s.
 
@@ -62,6 +68,7 @@ from torch import nn
 from twinshard.pair.reference import structure_loss
 from twinshard.pair.reference.alignment import rotation_from_covariance, weighted_rigid_align
 from twinshard.pair.reference.diffusion import DiffusionModule
+from twinshard.pair.reference.dropout import current_batch_offset
 from twinshard.rng import normal
 
 __all__ = [
@@ -72,6 +79,7 @@ __all__ = [
     "CounterDraws",
     "GivenDraws",
     "boltz_sample_chunks",
+    "global_rows",
     "quaternion_rotation",
     "rotation_from_covariance",
     "weighted_rigid_align",
@@ -113,6 +121,13 @@ SAMPLER_STREAMS.update(
 _ATOM_DRAWS = ("init", "noise", "train_noise")
 
 DrawSource = Callable[..., torch.Tensor]
+
+
+def global_rows(rows: torch.Tensor, per_element: int) -> torch.Tensor:
+    """Draw rows of this process's elements -> the whole batch's: ``rows + k per_element`` with
+    ``k`` the enclosing ``batch_offset`` (0 outside one); ``per_element`` is ``m`` for sample rows
+    ``b m + j``, 1 for per-element rows (module docstring, data parallelism)."""
+    return rows + current_batch_offset() * int(per_element)
 
 
 class CounterDraws:
@@ -179,6 +194,11 @@ class GivenDraws:
         self.fn = fn
 
     def __call__(self, kind, step, shape, rows, atoms, dtype, device) -> torch.Tensor:
+        if current_batch_offset():
+            raise ValueError(
+                f"GivenDraws hands out the {kind} draw of the shape it is asked for, not the whole "
+                f"batch's: under a batch offset ({current_batch_offset()}, a dp replica) use CounterDraws"
+            )
         full = self.fn(kind, int(step), tuple(shape))
         if tuple(full.shape) != tuple(shape):
             raise ValueError(
@@ -368,9 +388,10 @@ class AtomDiffusion(nn.Module):
         rows_n = frame.rows.shape[0]
         dev = atom_mask.device
         shape_a = (rows_n, frame.n_atoms, 3)
+        rows = global_rows(frame.rows, m)  # the whole batch's rows (a dp replica's offset)
 
         def draw(kind, step, shape):
-            return draws(kind, step, shape, frame.rows, frame.atoms, dtype, dev)
+            return draws(kind, step, shape, rows, frame.atoms, dtype, dev)
 
         def mean(x):
             return self._atom_sum(x, frame)[:, None] / frame.n_atoms
@@ -424,13 +445,14 @@ class AtomDiffusion(nn.Module):
         dtype, dev = coords.dtype, coords.device
         rows_n = frame.rows.shape[0]
         atoms = frame.atoms  # global atom indices: the noise of an atom is the serial one on any grid
+        sample_rows = global_rows(frame.rows, m)  # and the whole batch's rows (a dp replica's offset)
 
         def draw(kind, shape, rows=None):
-            return draws(kind, 0, shape, frame.rows if rows is None else rows, atoms, dtype, dev)
+            return draws(kind, 0, shape, sample_rows if rows is None else rows, atoms, dtype, dev)
 
         if self.synchronize_sigmas:  # one noise level per element, shared by its m samples
             b = rows_n // m
-            eps = draw("sigma", (b,), torch.arange(b, device=dev)).repeat_interleave(m, 0)
+            eps = draw("sigma", (b,), global_rows(torch.arange(b, device=dev), 1)).repeat_interleave(m, 0)
         else:
             eps = draw("sigma", (rows_n,))
         sigmas = self.sigma_data * (self.P_mean + self.P_std * eps).exp()
