@@ -448,7 +448,8 @@ class Boltz2Training:
                 (k, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
                 for k, p in self.model.named_parameters()
             )
-            checksum = tuple(float(p.double().sum()) for p in self.model.parameters())
+            sums = [p.double().sum() for p in self.model.parameters()]
+            checksum = tuple(torch.stack(sums).tolist()) if sums else ()  # one device sync
         agree_scalars(
             {
                 **self._settings(),
