@@ -1353,7 +1353,7 @@ MUTATIONS: list[Mutation] = [
         "train_sigma_not_synchronized",
         "noise level drawn per sample, not per element",
         "pair/reference/sampler.py",
-        'eps = draw("sigma", (b,), torch.arange(b, device=dev)).repeat_interleave(m, 0)',
+        'eps = draw("sigma", (b,), global_rows(torch.arange(b, device=dev), 1)).repeat_interleave(m, 0)',
         'eps = draw("sigma", (rows_n,))',
         ("tests/pair/test_train_boltz2.py::test_sigmas_synchronized",),
     ),

@@ -51,6 +51,8 @@ from twinshard.runtime.mesh import DPCPMesh, split_sizes
 from twinshard.runtime.scope import current_scope
 
 __all__ = [
+    "agree_split",
+    "batch_size",
     "collect_batch",
     "distribute_batch",
     "distribute_features",
@@ -139,7 +141,7 @@ def replica_weight(split: Sequence[int], mesh: DPCPMesh) -> float:
     return share / mesh.dp
 
 
-def _batch_size(batch: Mapping[str, Any], who: str = "dp_train_step") -> int | None:
+def batch_size(batch: Mapping[str, Any], who: str = "dp_train_step") -> int | None:
     sizes = {int(v.shape[0]) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(f"{who}: every batch tensor needs the same leading batch size, got {sorted(sizes)}")
@@ -170,13 +172,13 @@ def _settings(model: nn.Module, optimizer: Any, seed: int, mesh: DPCPMesh) -> di
     }
 
 
-def _agree_split(
+def agree_split(
     local_b: int | None,
     err: BaseException | None,
     split: Sequence[int] | None,
     mesh: DPCPMesh,
     who: str = "dp_train_step",
-):
+) -> tuple[int, ...]:
     """The batch split from every rank's ``(replica, B_local)``; raises on every rank when the
     ranks of a replica hold different sizes, a replica is empty, or it differs from ``split``."""
     every: list = [None] * mesh.size
@@ -221,11 +223,11 @@ def dp_train_step(
     err: BaseException | None = None
     local_b = None
     try:
-        local_b = _batch_size(batch)
+        local_b = batch_size(batch)
     except Exception as exc:  # raised on every rank below
         err = exc
     agree_scalars(_settings(model, optimizer, seed, mesh), "dp_train_step")
-    split = _agree_split(local_b, err, split, mesh)
+    split = agree_split(local_b, err, split, mesh)
     weight = replica_weight(split, mesh)
     optimizer.zero_grad(set_to_none=True)
     with mesh.replica(), batch_offset(_offset(split, mesh.dp_index)):

@@ -42,7 +42,7 @@ for ``CPBoltz2Model``, ``data_parallel.split_batch`` for a serial model on 1 x 1
 ``step(feats)`` agrees over the whole world the step's control scalars (global step, seed, args,
 optimizer step counts and hyperparameters, the EMA's step, the mesh shape, the parameter names,
 shapes, dtypes and trainable flags, a checksum of the weights, the draw source) and the batch
-split (``data_parallel._agree_split``: each replica's ``B_d``, the same on its ranks), then runs
+split (``data_parallel.agree_split``: each replica's ``B_d``, the same on its ranks), then runs
 the forward, the losses and the backward inside ``mesh.replica()`` and ``batch_offset(k_d)``:
 dropout masks and the structure module's draws (noise levels, augmentation, noise, the
 confidence's samples: ``reference.sampler.global_rows``) are keyed by each element's index in
@@ -489,7 +489,7 @@ class Boltz2Training:
             self.ema.update(self.model, self.global_step)
 
     def _dp_step(self, feats: Mapping[str, Any], draws: Any) -> dict[str, Any]:
-        from twinshard.pair.data_parallel import _agree_split, _batch_size, reduce_gradients, replica_weight
+        from twinshard.pair.data_parallel import agree_split, batch_size, reduce_gradients, replica_weight
         from twinshard.pair.reference.dropout import batch_offset
 
         mesh, who = self.mesh, "Boltz2Training.step"
@@ -500,12 +500,12 @@ class Boltz2Training:
         err: BaseException | None = None
         local_b = None
         try:
-            local_b = _batch_size(feats, who)
-        except Exception as exc:  # raised on every rank by _agree_split
+            local_b = batch_size(feats, who)
+        except Exception as exc:  # raised on every rank by agree_split
             err = exc
         self.model.train()
         self._agree_world(draws)
-        split = _agree_split(local_b, err, None, mesh, who)
+        split = agree_split(local_b, err, None, mesh, who)
         weight = replica_weight(split, mesh)
         with mesh.replica(), batch_offset(sum(split[: mesh.dp_index])):
             res = self._forward_backward(feats, draws)
