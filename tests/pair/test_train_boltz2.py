@@ -127,6 +127,21 @@ def _rank(grid, c):
 CASES = [((2, 2), dict(n=11, m=3, seed=4, steps=2)), ((2, 3), dict(n=10, m=1, seed=5, steps=1))]
 
 
+def compare_steps(got: list, want: list, steps: int, what: str, grid: str) -> None:
+    """One rank's recorded steps (``_run``) against the serial ones: the loss, every weight after
+    AdamW and every EMA weight of each step, and every parameter gradient of the first by name."""
+    for i in range(steps):
+        at = f"{what} step {i}"
+        assert_parity(got[i]["loss"], want[i]["loss"], what=f"{at} loss", grid=grid)
+        for n, w in want[i]["params"].items():
+            assert_parity(got[i]["params"][n], w, what=f"{at} AdamW-updated {n}", grid=grid)
+        for n, w in want[i]["ema"].items():
+            assert_parity(got[i]["ema"][n], w, what=f"{at} EMA {n}", grid=grid)
+    assert set(got[0]["grads"]) == set(want[0]["grads"]), f"{what}: parameters with gradients"
+    for n, w in want[0]["grads"].items():
+        assert_parity(got[0]["grads"][n], w, what=f"{what} grad {n}", grid=grid)
+
+
 @pytest.mark.parametrize("grid,c", CASES, ids=[f"{grid_id(g)}-N{c['n']}-m{c['m']}" for g, c in CASES])
 def test_cp_step_matches_serial(grid, c):
     want = _run(_model(Boltz2Model, c["seed"]), _feats(c["n"], c["seed"]), c, c["steps"])
@@ -134,18 +149,9 @@ def test_cp_step_matches_serial(grid, c):
     ranks = run_on_grid(_rank, grid, c, timeout=TIMEOUT)
     g = grid_id(grid)
     for r, got in enumerate(ranks):
-        for i in range(c["steps"]):
-            what = f"CP training step {i} rank {r} {c}"
-            assert_parity(got[i]["loss"], want[i]["loss"], what=f"{what} loss", grid=g)
-            for n, w in want[i]["params"].items():
-                assert_parity(got[i]["params"][n], w, what=f"{what} AdamW-updated {n}", grid=g)
-            for n, w in want[i]["ema"].items():
-                assert_parity(got[i]["ema"][n], w, what=f"{what} EMA {n}", grid=g)
+        compare_steps(got, want, c["steps"], f"CP training rank {r} {c}", g)
         for k in ("denoised_atom_coords", "aligned_true_atom_coords", "sigmas"):
             assert_parity(got[0][k], want[0][k], what=f"rank {r} {k}", grid=g)
-        assert set(got[0]["grads"]) == set(want[0]["grads"]), f"rank {r}: parameters with gradients"
-        for n, w in want[0]["grads"].items():
-            assert_parity(got[0]["grads"][n], w, what=f"rank {r} grad {n}", grid=g)
     assert_replicated([got[-1]["params"] for got in ranks], f"CP weights after {c['steps']} steps")
     assert_replicated([got[-1]["ema"] for got in ranks], f"CP EMA weights after {c['steps']} steps")
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import pytest
 from model_inputs import model_config
-from test_train_boltz2 import HOOKS, _args, _feats, _model, _run
+from test_train_boltz2 import HOOKS, _args, _feats, _model, _run, compare_steps
 
 from twinshard.pair.layers.model import CPBoltz2Model
 from twinshard.pair.reference.model import Boltz2Model
@@ -87,16 +87,7 @@ def test_dp_step_matches_serial(shape, c):
         assert sum(split) == c["b"] and len(split) == shape[0]
         rows = slice(offset * m, (offset + split[r // (shape[1] * shape[2])]) * m)
         assert_parity(got[0]["sigmas"], want[0]["sigmas"][rows], what=f"rank {r} sigmas", grid=g)
-        for i in range(steps):
-            what = f"dp training step {i} rank {r}"
-            assert_parity(got[i]["loss"], want[i]["loss"], what=f"{what} loss", grid=g)
-            for n, w in want[i]["params"].items():
-                assert_parity(got[i]["params"][n], w, what=f"{what} AdamW-updated {n}", grid=g)
-            for n, w in want[i]["ema"].items():
-                assert_parity(got[i]["ema"][n], w, what=f"{what} EMA {n}", grid=g)
-        assert set(got[0]["grads"]) == set(want[0]["grads"]), f"rank {r}: parameters with gradients"
-        for n, w in want[0]["grads"].items():
-            assert_parity(got[0]["grads"][n], w, what=f"rank {r} grad {n}", grid=g)
+        compare_steps(got, want, steps, f"dp training rank {r}", g)
     ranks = [o[0] for o in out]
     assert_replicated([got[0]["grads"] for got in ranks], f"{g}: gradients after the dp reduction")
     for i in range(steps):
